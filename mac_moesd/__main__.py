@@ -1,0 +1,3 @@
+from mac_moesd.cli import main
+
+main()

@@ -1,0 +1,111 @@
+"""Which BLAS MLX's CPU backend calls, and loading OpenBLAS in its place on Linux.
+
+MLX's Linux CPU wheel bundles the netlib reference BLAS (~2.5 GFLOP/s float32 matmul on one
+core), which makes every forward compute-bound and hides the roofline. A BLAS loaded with
+RTLD_GLOBAL *before* MLX is imported takes precedence for ``cblas_sgemm``; OpenBLAS gives ~40x.
+This module must not import MLX: ``mac_moesd/__init__.py`` calls ``preload`` first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+
+__all__ = ["OPT_OUT_ENV", "OPENBLAS_CANDIDATES", "describe", "preload"]
+
+OPT_OUT_ENV = "MAC_MOESD_NO_OPENBLAS"
+
+# Debian/Ubuntu's libopenblas0-pthread, then the other common layouts.
+OPENBLAS_CANDIDATES: tuple[str, ...] = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+_state: dict[str, str | None] = {"preloaded": None, "skipped": None}
+
+
+def preload() -> str | None:
+    """Load OpenBLAS globally if on Linux, installed, not opted out and MLX not yet imported.
+
+    Returns the loaded path, or None (the reason is kept for ``describe``).
+    """
+    if _state["preloaded"] or _state["skipped"]:
+        return _state["preloaded"]
+    if platform.system() != "Linux":
+        _state["skipped"] = "not Linux"
+    elif os.environ.get(OPT_OUT_ENV, "") not in ("", "0"):
+        _state["skipped"] = f"{OPT_OUT_ENV} is set"
+    elif "mlx.core" in sys.modules:
+        _state["skipped"] = "mlx was imported before mac_moesd"
+    else:
+        for path in OPENBLAS_CANDIDATES:
+            if os.path.exists(path):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    continue
+                _state["preloaded"] = path
+                return path
+        _state["skipped"] = "no OpenBLAS found (Debian: apt-get install libopenblas0-pthread)"
+    return None
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _global_sgemm_library() -> str | None:
+    """The file that provides ``cblas_sgemm`` in the process's global symbol scope, if any."""
+    try:
+        symbol = ctypes.CDLL(None).cblas_sgemm
+    except AttributeError:
+        return None
+    libdl_name = ctypes.util.find_library("dl") or "libdl.so.2"
+    try:
+        dladdr = ctypes.CDLL(libdl_name).dladdr
+    except (OSError, AttributeError):
+        return "unknown"
+    info = _DlInfo()
+    address = ctypes.cast(symbol, ctypes.c_void_p)
+    if not dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return "unknown"
+    return info.dli_fname.decode(errors="replace")
+
+
+def describe(backend: str) -> dict:
+    """What BLAS the MLX CPU backend uses here: ``{"name", "path", "note", "warning"}``.
+
+    On Linux MLX's bundled BLAS is local to libmlx, so a global ``cblas_sgemm`` exists only if
+    another BLAS was loaded globally, and then it is the one MLX binds to.
+    """
+    system = platform.system()
+    if system == "Darwin":
+        name = "accelerate" if backend == "cpu" else "n/a (GPU backend)"
+        return {"name": name, "path": None, "note": "", "warning": None}
+    if system != "Linux":
+        return {"name": "unknown", "path": None, "note": "", "warning": None}
+    path = _global_sgemm_library()
+    note = _state["skipped"] or ""
+    if path is None:
+        warning = None
+        if backend == "cpu":
+            warning = (
+                "MLX is using its bundled reference BLAS: every forward is compute-bound and "
+                "memory-bound effects are invisible. Install OpenBLAS "
+                "(apt-get install libopenblas0-pthread) and rerun."
+            )
+        return {"name": "reference", "path": None, "note": note, "warning": warning}
+    name = "openblas" if "openblas" in path.lower() else os.path.basename(path)
+    return {"name": name, "path": path, "note": note, "warning": None}

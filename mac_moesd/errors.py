@@ -1,0 +1,5 @@
+"""The one exception type the library raises for problems a user can act on."""
+
+
+class MacMoesdError(Exception):
+    """A runtime failure with a message fit to show as is (the CLI exits 1 with it)."""

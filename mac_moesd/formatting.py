@@ -1,0 +1,108 @@
+"""Human renderings of the CLI's documents. Data stays in SI units; only this module humanises."""
+
+from __future__ import annotations
+
+
+def si(value: float | None, unit: str, digits: int = 3) -> str:
+    """1.5e11, 'B/s' -> '150 GB/s'. None -> 'n/a'."""
+    if value is None:
+        return "n/a"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.{digits}g} {prefix}{unit}"
+    return f"{value:.{digits}g} {unit}"
+
+
+def seconds(value: float) -> str:
+    """Seconds as s, ms or us with three significant digits."""
+    if value >= 1:
+        return f"{value:.3g} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} us"
+
+
+def gib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.1f} GiB"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain right-aligned text table."""
+    cells = [headers, *rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_info(doc: dict) -> str:
+    spec = doc["spec"]
+    blas = doc["blas"]
+    lines = [
+        f"chip:        {doc['chip']}" + (f" ({doc['gpu_cores']}-core GPU)" if doc["gpu_cores"] else ""),
+        f"slug:        {doc['slug']}",
+        f"os:          {doc['os']}",
+        f"backend:     {doc['backend']}",
+        f"blas:        {blas['name']}" + (f" ({blas['path']})" if blas["path"] else "")
+        + (f" [{blas['note']}]" if blas["note"] else ""),
+        f"memory:      {gib(doc['memory_bytes'])}, usable for a measurement {gib(doc['available_bytes'])}",
+    ]
+    if doc["power_source"]:
+        lines.append(f"power:       {doc['power_source']}")
+    if spec:
+        ridge = spec["ridge_flop_per_byte"]
+        lines += [
+            f"spec:        {si(spec['bandwidth_bytes_s'], 'B/s')} memory bandwidth, "
+            f"{si(spec['fp32_flops'], 'FLOP/s')} FP32"
+            + (f", ridge {ridge:.1f} FLOP/byte" if ridge else ""),
+            f"             source: {spec['source']}" + (f" ({spec['derived']})" if spec["derived"] else ""),
+        ]
+    else:
+        lines.append("spec:        none (not an Apple chip in the table; `roofline` measures it)")
+    versions = ", ".join(f"{k} {v}" for k, v in doc["versions"].items() if v)
+    lines.append(f"versions:    {versions}")
+    return "\n".join(lines)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, t = [], 1
+    while t <= limit:
+        out.append(t)
+        t *= 2
+    return out
+
+
+def render_theory(doc: dict) -> str:
+    E, K = doc["experts"], doc["top_k"]
+    lines = [
+        f"E = {E} experts, K = {K} per token, rho = K/E = {doc['rho']:.4g}, tau = {doc['tau']}",
+        f"saturation threshold T_thres = {doc['threshold_tokens']} tokens "
+        f"(uniform routing; N(t) >= {doc['tau']} E)",
+    ]
+    if doc["correlation"] is not None:
+        lines.append(
+            f"with correlation c = {doc['correlation']}: {doc['threshold_corrected']} tokens"
+        )
+    by_t = {row["t"]: row for row in doc["activated"]}
+    per_expert = {row["t"]: row["tokens"] for row in doc["tokens_per_expert"]}
+    shown = _powers_of_two(max(by_t))
+    for extra in (doc["threshold_tokens"], doc["threshold_corrected"]):
+        if extra in by_t and extra not in shown:
+            shown.append(extra)
+    headers = ["t", "N(t)", "N/E", "tokens/expert"]
+    if doc["correlation"] is not None:
+        headers += ["N_c(t)", "N_c/E"]
+    rows = []
+    for t in sorted(shown):
+        row = by_t[t]
+        cells = [str(t), f"{row['uniform']:.2f}", f"{row['fraction']:.3f}", f"{per_expert[t]:.2f}"]
+        if "correlated" in row:
+            cells += [f"{row['correlated']:.2f}", f"{row['correlated'] / E:.3f}"]
+        rows.append(cells)
+    lines += ["", table(headers, rows), ""]
+    acc_rows = [
+        [f"{a['alpha']:g}", str(a["gamma"]), f"{a['omega']:.3f}", f"{a['sigma']:.3f}"]
+        for a in doc["acceptance"]
+    ]
+    lines.append(table(["alpha", "gamma", "Omega", "sigma"], acc_rows))
+    return "\n".join(lines)

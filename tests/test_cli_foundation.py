@@ -1,0 +1,80 @@
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mac_moesd import theory
+from mac_moesd.cli import cli
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.mark.parametrize("experts, top_k, expected", [(64, 8, 23), (64, 4, 47), (128, 4, 95), (8, 2, 11)])
+def test_theory_json_thresholds(experts, top_k, expected):
+    result = invoke("theory", "--experts", str(experts), "--top-k", str(top_k), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    for key in ("experts", "top_k", "rho", "tau", "threshold_tokens", "activated", "tokens_per_expert"):
+        assert key in doc
+    assert doc["threshold_tokens"] == expected
+    rho = top_k / experts
+    for row in doc["activated"]:
+        assert row["uniform"] == pytest.approx(experts * (1 - (1 - rho) ** row["t"]))
+        assert row["fraction"] == pytest.approx(row["uniform"] / experts)
+
+
+def test_theory_correlation():
+    doc = json.loads(invoke("theory", "-E", "64", "-K", "8", "-c", "0.67", "--json").stdout)
+    assert doc["threshold_corrected"] == 34
+    assert doc["threshold_corrected"] / doc["threshold_tokens"] == pytest.approx(1 / 0.67, rel=0.05)
+
+
+def test_theory_table():
+    result = invoke("theory", "-E", "8", "-K", "2", "--gamma", "2,4", "--alpha", "0.5,0.9")
+    assert result.exit_code == 0
+    assert "saturation threshold T_thres = 11 tokens" in result.output
+    lines = result.output.splitlines()
+    assert any(line.split()[:3] == ["1", "2.00", "0.250"] for line in lines)
+    sigma = float(theory.normalised_acceptance(0.9, 4))
+    assert any(line.split() == ["0.9", "4", f"{sigma * 5:.3f}", f"{sigma:.3f}"] for line in lines)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--experts", "0", "--top-k", "1"], "'--experts'"),
+        (["--experts", "8", "--top-k", "9"], "larger than --experts 8"),
+        (["-E", "8", "-K", "2", "--tau", "1.5"], "'--tau'"),
+        (["-E", "8", "-K", "2", "--gamma", "1,x"], "not a comma-separated list of ints"),
+        (["-E", "8", "-K", "2", "--gamma", "0"], "0 is not >= 1"),
+        (["-E", "8", "-K", "2", "--alpha", "1.5"], "'--alpha'"),
+        (["-E", "eight", "-K", "2"], "'eight' is not a valid integer"),
+    ],
+)
+def test_theory_bad_input_is_one_line_exit_2(args, fragment):
+    result = invoke("theory", *args)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("Error: ")
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_info_json():
+    result = invoke("info", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["backend"] in {"cpu", "metal", "cuda"}
+    assert doc["slug"]
+    assert doc["versions"]["mlx"]
+    assert "name" in doc["blas"]
+
+
+def test_help_everywhere():
+    for args in (["--help"], ["info", "--help"], ["theory", "--help"]):
+        result = invoke(*args)
+        assert result.exit_code == 0
+        assert "Usage:" in result.output

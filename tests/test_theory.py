@@ -1,0 +1,125 @@
+import math
+
+import numpy as np
+import pytest
+
+from mac_moesd import theory
+
+
+@pytest.mark.parametrize(
+    "experts, top_k, expected",
+    [(64, 8, 23), (64, 4, 47), (128, 4, 95), (8, 2, 11), (16, 16, 1)],
+)
+def test_saturation_threshold_worked_values(experts, top_k, expected):
+    assert theory.saturation_threshold(theory.sparsity(experts, top_k), 0.95) == expected
+
+
+def test_threshold_is_the_first_t_reaching_tau():
+    for experts, top_k in [(64, 8), (60, 4), (128, 8), (8, 2)]:
+        t = theory.saturation_threshold(top_k / experts, 0.95)
+        fractions = theory.activated_experts([t - 1, t], experts, top_k) / experts
+        assert fractions[0] < 0.95 <= fractions[1]
+
+
+def test_activated_experts_hand_values():
+    n = theory.activated_experts([1, 2, 4], 64, 8)
+    np.testing.assert_allclose(n, [8.0, 15.0, 64 * (1 - 0.875**4)])
+    assert n[2] == pytest.approx(26.484, abs=1e-3)
+    np.testing.assert_allclose(theory.activated_fraction([1, 2], 0.25), [0.25, 0.4375])
+
+
+def test_tokens_per_expert():
+    assert theory.tokens_per_expert(1, 0.125) == pytest.approx(1.0)
+    assert theory.tokens_per_expert(2, 0.125) == pytest.approx(0.25 / 0.234375)
+    # Far past saturation every expert is hit: rho * t tokens each.
+    assert theory.tokens_per_expert(400, 0.125) == pytest.approx(50.0)
+
+
+def test_correlation_raises_threshold_by_about_one_over_c():
+    rho = 8 / 64
+    base = theory.saturation_threshold(rho)
+    corrected = theory.correlated_threshold(rho, 0.67)
+    assert corrected == 34
+    assert corrected == pytest.approx(base / 0.67, abs=1.0)
+    assert theory.correlated_threshold(rho, 1.0) == base
+    # N_c(t) = N(c*t)
+    assert theory.correlated_activated_experts(10, 64, 8, 0.5) == pytest.approx(
+        theory.activated_experts(5, 64, 8)
+    )
+
+
+def test_acceptance():
+    assert theory.expected_tokens_per_round(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert theory.normalised_acceptance(0.8, 4) == pytest.approx(3.3616 / 5)
+    np.testing.assert_allclose(theory.expected_tokens_per_round([0.0, 1.0], 3), [1.0, 4.0])
+    with pytest.raises(ValueError):
+        theory.expected_tokens_per_round(1.2, 3)
+
+
+def test_speedup_and_target_efficiency():
+    s = theory.speedup(sigma=0.5, gamma=3, target_plain=10, target_verify=12, draft_step=1, reject=0.5)
+    assert s == pytest.approx(20 / 15.5)
+    assert theory.target_efficiency(10, 12) == pytest.approx(10 / 12)
+    # Perfect acceptance, free drafting and a verify that costs one plain step: gamma+1 tokens.
+    assert theory.speedup(1.0, 4, 1.0, 1.0, 0.0, 0.0) == pytest.approx(5.0)
+
+
+def test_compute_transition_is_exponential_then_tangent():
+    g = theory.compute_transition([2, 4, 6], knee=4, s=1.5)
+    assert g[0] == pytest.approx(2.25)
+    assert g[1] == pytest.approx(1.5**4)
+    assert g[2] == pytest.approx(1.5**4 * (1 + math.log(1.5) * 2))
+    eps = 1e-6
+    left = (theory.compute_transition(4, 4, 1.5) - theory.compute_transition(4 - eps, 4, 1.5)) / eps
+    right = (theory.compute_transition(4 + eps, 4, 1.5) - theory.compute_transition(4, 4, 1.5)) / eps
+    assert left == pytest.approx(right, rel=1e-4)
+    np.testing.assert_allclose(theory.compute_transition([1, 50], 3, 1.0), [1.0, 1.0])
+
+
+def test_time_model():
+    names = theory.TimeModel.names()
+    assert names == (
+        "bias", "k1", "k2", "k3", "lam", "s",
+        "draft_bias", "draft_k", "reject_bias", "reject_k",
+    )
+    model = theory.TimeModel(1.0, 0.1, 0.2, 0.3, 0.5, 1.2, 0.05, 0.01, 0.002, 0.001)
+    assert theory.TimeModel.from_vector(model.to_vector()) == model
+    ridge = 10.0  # knee = 5 tokens
+    # One token: N(1) = K experts, one token each.
+    assert model.target_time(1, 64, 4, ridge) == pytest.approx(1.0 + 0.1 * 1.2 + 0.2 * 4 + 0.3 * 1.2)
+    n = 16.0
+    active = 64 * (1 - (1 - 4 / 64) ** n)
+    expected = (
+        1.0
+        + 0.1 * theory.compute_transition(n, 5.0, 1.2)
+        + 0.2 * active
+        + 0.3 * theory.compute_transition(n * 4 / active, 5.0, 1.2)
+    )
+    assert model.target_time(n, 64, 4, ridge) == pytest.approx(expected)
+    assert model.draft_time(2, ridge) == pytest.approx(0.05 + 0.01 * 1.2**2)
+    assert model.reject_time(8) == pytest.approx(0.002 + 0.008)
+
+
+def test_kv_time():
+    assert theory.kv_time(4, 1024, 1e-9) == pytest.approx(4 * 1024e-9)
+
+
+def test_ridge_in_tokens_per_format():
+    assert theory.ridge_in_tokens(30, "fp16") == pytest.approx(30)
+    assert theory.ridge_in_tokens(30, "8bit") == pytest.approx(30 * 1.0625 / 2)
+    assert theory.ridge_in_tokens(36, "4bit") == pytest.approx(36 / 3.5556, rel=1e-3)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        theory.ridge_in_tokens(30, "3bit")
+
+
+@pytest.mark.parametrize("experts, top_k", [(0, 1), (8, 0), (8, 9)])
+def test_sparsity_rejects_bad_shapes(experts, top_k):
+    with pytest.raises(ValueError):
+        theory.sparsity(experts, top_k)
+
+
+def test_summarise_reaches_saturation_by_default():
+    doc = theory.summarise(128, 4)
+    assert doc["threshold_tokens"] == 95
+    assert doc["activated"][-1]["t"] == 128
+    assert doc["activated"][-1]["fraction"] >= 0.95
