@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 import click
 
 from mac_moesd import __version__, blas, theory
-from mac_moesd.errors import MacMoesdError
-from mac_moesd.formatting import render_info, render_theory
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.formatting import render_info, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -61,7 +63,7 @@ class Cli(click.Group):
             sys.exit(err.exit_code)
         except MacMoesdError as err:
             click.echo(f"Error: {err}", err=True)
-            sys.exit(1)
+            sys.exit(2 if isinstance(err, BadInput) else 1)
         except KeyboardInterrupt:
             click.echo("Interrupted; results written so far are kept.", err=True)
             sys.exit(130)
@@ -125,6 +127,122 @@ def theory_command(experts, top_k, tau, max_tokens, correlation, gamma, alpha, a
         raise click.BadParameter(f"{max(alpha)} is not in [0, 1]", param_hint="'--alpha'")
     document = theory.summarise(experts, top_k, tau, max_tokens, correlation, gamma, alpha)
     emit(document, as_json, render_theory)
+
+
+@cli.command(name="zoo")
+@json_option
+def zoo_command(as_json: bool) -> None:
+    """The built-in models: architecture, E, K, rho, T_thres, parameters and bytes."""
+    from mac_moesd import models
+
+    emit({"models": models.describe_zoo()}, as_json, render_zoo)
+
+
+budget_options = [
+    click.option("--quick", is_flag=True, help="Small time budget per point (for a first look)."),
+    click.option("--seconds-per-point", type=click.FloatRange(0, min_open=True), default=None,
+                 help="Time budget per grid point [default: 2, or 0.5 with --quick]."),
+]
+
+
+def with_options(options):
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+def budget_from(quick: bool, seconds: float | None):
+    from mac_moesd import timing
+
+    base = timing.QUICK if quick else timing.Budget()
+    return base if seconds is None else replace(base, seconds_per_point=seconds)
+
+
+def out_option(default_help: str = "reports/<chip-slug>"):
+    return click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+                        help=f"Folder for results.json [default: {default_help}].")
+
+
+class ProgressBar:
+    """The sweep's progress on stderr (never stdout, which --json keeps for the document)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+
+    def expect(self, points: int) -> None:
+        self.bar = click.progressbar(length=points, label=self.label, file=sys.stderr,
+                                     show_eta=True, item_show_func=lambda item: item)
+        self.bar.__enter__()
+
+    def advance(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.update(1, label)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def open_store(out: Path | None):
+    """The machine, the run's metadata and the results store in ``out`` (or the default)."""
+    from mac_moesd import hardware, metadata
+    from mac_moesd.results import ResultsStore
+
+    machine = hardware.detect()
+    meta = metadata.collect(machine)
+    if meta["blas"]["warning"]:
+        warn(meta["blas"]["warning"])
+    folder = out or Path("reports") / machine.slug
+    return machine, meta, ResultsStore(folder / "results.json", meta)
+
+
+@cli.command(name="sweep")
+@click.argument("model")
+@click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4,8,16,32",
+              show_default=True, help="Batch sizes B.")
+@click.option("--tokens", type=NumberList(int, minimum=1), default="1,2,3,4,5,6,8",
+              show_default=True, help="New tokens t per sequence in one forward.")
+@click.option("--context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="KV-cache length L every forward attends over.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Measure N and 2N layers and extrapolate [default: all if they fit].")
+@click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="Quantize weights (group 64).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Weight dtype [default: float16 on a GPU, float32 on CPU].")
+@click.option("--draft", default=None, help="Drafter model: also time its one-token step T_D(B,1).")
+@click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Draft length for the rejection-sampling step T_rej(B).")
+@with_options(budget_options)
+@out_option()
+@json_option
+def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, quick,
+                  seconds_per_point, out, as_json) -> None:
+    """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
+
+    MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
+    a config.json, or a Hugging Face repo id already in the local cache.
+    """
+    from mac_moesd.sweep import SweepConfig, run_sweep
+
+    cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
+                      dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
+                      gamma=gamma, budget=budget_from(quick, seconds_per_point))
+    machine, meta, store = open_store(out)
+    progress = ProgressBar(f"sweep {model}")
+    try:
+        document = run_sweep(cfg, store, machine.available_bytes, progress)
+    finally:
+        progress.close()
+    document["meta"] = meta
+    document["results_file"] = str(store.path)
+    for message in document["warnings"]:
+        warn(message)
+    emit(document, as_json, render_sweep)
 
 
 def main() -> None:

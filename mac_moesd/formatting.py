@@ -106,3 +106,68 @@ def render_theory(doc: dict) -> str:
     ]
     lines.append(table(["alpha", "gamma", "Omega", "sigma"], acc_rows))
     return "\n".join(lines)
+
+
+def render_zoo(doc: dict) -> str:
+    rows = []
+    for m in doc["models"]:
+        moe = m["experts"] is not None
+        rows.append([
+            m["name"], m["role"], m["arch"],
+            str(m["experts"]) if moe else "-", str(m["top_k"]) if moe else "-",
+            f"{m['rho']:.3f}" if moe else "-", str(m["threshold_tokens"]) if moe else "-",
+            f"{m['params_total'] / 1e9:.2f}B", f"{m['params_active'] / 1e9:.2f}B",
+            gib(m["bytes"]["fp16"]), gib(m["bytes"]["4bit"]),
+        ])
+    headers = ["model", "role", "arch", "E", "K", "rho", "T_thres", "params", "active", "fp16", "4-bit"]
+    note = "Bytes are params x bytes/param of the format (4-bit: 0.5625 B with group-64 scales)."
+    return table(headers, rows) + "\n" + note
+
+
+def render_sweep(doc: dict) -> str:
+    points = {(p["batch"], p["tokens"]): p for p in doc["points"]}
+    batches = sorted({b for b, _ in points})
+    tokens = sorted({t for _, t in points})
+    depth = f"{doc['layers_full']} layers"
+    if doc["extrapolated"]:
+        depth += f" (extrapolated from slices of {' and '.join(map(str, doc['layers_measured']))})"
+    fmt = f"{doc['bits']}-bit" if doc["bits"] else doc["dtype"]
+    lines = [
+        f"{doc['model']}: {fmt}, context {doc['context']}, {depth}",
+        "",
+        "T_T(B,t) / T_T(B,1)  (the ratio MoESD studies; 1.00 = a free verify window)",
+    ]
+    rows = []
+    for b in batches:
+        base = points.get((b, 1))
+        cells = [str(b)]
+        for t in tokens:
+            p = points.get((b, t))
+            cells.append(f"{p['median_s'] / base['median_s']:.2f}" if p and base else "-")
+        rows.append(cells)
+    lines.append(table(["B \\ t", *map(str, tokens)], rows))
+    lines += ["", "median time per forward (CV, repeats)"]
+    rows = []
+    for b in batches:
+        cells = [str(b)]
+        for t in tokens:
+            p = points.get((b, t))
+            cells.append(f"{seconds(p['median_s'])} ({p['cv']:.0%}, {p['repeats']})" if p else "-")
+        rows.append(cells)
+    lines.append(table(["B \\ t", *map(str, tokens)], rows))
+    if doc.get("draft"):
+        d = doc["draft"]
+        steps = ", ".join(f"B={p['batch']}: {seconds(p['median_s'])}" for p in d["points"])
+        lines += ["", f"drafter {d['model']} one-token step T_D(B,1): {steps}"]
+    if doc.get("reject"):
+        r = doc["reject"]
+        steps = ", ".join(f"B={p['batch']}: {seconds(p['median_s'])}" for p in r["points"])
+        lines += [f"rejection sampling T_rej(B), gamma={r['gamma']}, V={r['vocab']}: {steps}"]
+    for s in doc["slices"]:
+        if s["drift"]:
+            d = s["drift"]
+            state = "FLAGGED" if d["flagged"] else "ok"
+            lines.append(f"drift check ({s['layers']} layers, point {d['point']}): {d['change']:+.1%} {state}")
+    blas = doc["meta"]["blas"]["name"]
+    lines += [f"backend {doc['meta']['backend']}, BLAS {blas}; results in {doc['results_file']}"]
+    return "\n".join(lines)

@@ -1,0 +1,266 @@
+"""Turn a MODEL argument into an mlx-lm model: random weights from a config, or a local checkpoint.
+
+MODEL is a zoo name, a directory with config.json (weights optional), a config.json path, or a
+Hugging Face repo id already in the local cache (never downloaded). Every path ends in mlx-lm's
+own ``Model`` class; we only choose the config, the dtype, the quantization and the layer slice.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+from mlx_lm.utils import _get_classes, load_model, quantize_model
+
+from mac_moesd import zoo
+from mac_moesd.errors import MacMoesdError
+
+__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "resolve"]
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+GROUP_SIZE = 64  # mlx-lm's default quantization group
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a config, and the directory of its weights if it has them."""
+
+    name: str
+    config: dict
+    weights_dir: Path | None = None
+
+    @property
+    def has_weights(self) -> bool:
+        return self.weights_dir is not None
+
+
+def resolve(model: str) -> ModelSource:
+    """A MODEL argument as a ModelSource (see the module docstring for the accepted forms)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config = zoo.read_config(path / "config.json")
+        weights = path if glob.glob(str(path / "model*.safetensors")) else None
+        return ModelSource(path.name, config, weights)
+    if path.suffix == ".json" or path.exists():
+        return ModelSource(path.parent.name or path.stem, zoo.read_config(path))
+    if "/" in model:
+        cached = _hf_cache_dir(model)
+        if cached is None:
+            raise MacMoesdError(
+                f"{model!r} is not a directory and not in the local Hugging Face cache "
+                "(mac-moesd never downloads; fetch it first, e.g. `hf download`)"
+            )
+        return resolve(str(cached))
+    entry = zoo.by_name(model)
+    return ModelSource(entry.name, copy.deepcopy(entry.config))
+
+
+def _hf_cache_dir(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Parameter counts and bytes of a built model, by category (bytes in the built format)."""
+
+    params_total: int
+    params_expert: int  # routed experts, all layers
+    params_embedding: int
+    params_head: int  # 0 when tied to the embedding
+    bytes_total: int
+    bytes_expert: int
+    bytes_embedding: int
+    bytes_head: int
+    experts: int | None
+    top_k: int | None
+    layers: int
+    moe_layers: int
+
+    @property
+    def params_dense(self) -> int:
+        """Parameters every token uses: attention, norms, shared experts, router, head."""
+        return self.params_total - self.params_expert - self.params_embedding
+
+    @property
+    def bytes_dense_streamed(self) -> int:
+        """Bytes read once per forward whatever the tokens: all but routed experts and the
+        embedding table (of which a forward reads only the rows it looks up), plus the table
+        again when the head is tied to it."""
+        tied = self.bytes_embedding if self.params_head == 0 else 0
+        return self.bytes_total - self.bytes_expert - self.bytes_embedding + tied
+
+    @property
+    def bytes_per_expert(self) -> float:
+        """Bytes of one expert summed over the MoE layers (what N(t) multiplies)."""
+        return self.bytes_expert / self.experts if self.experts else 0.0
+
+    @property
+    def params_active(self) -> int:
+        """Parameters one token touches: dense part plus K of E experts."""
+        if not self.experts:
+            return self.params_dense
+        return self.params_dense + self.params_expert * self.top_k // self.experts
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            params_dense=self.params_dense,
+            params_active=self.params_active,
+            bytes_dense_streamed=self.bytes_dense_streamed,
+            bytes_per_expert=self.bytes_per_expert,
+        )
+        return out
+
+
+def _param_count(module: nn.Module) -> int:
+    if hasattr(module, "bits"):  # quantized: count the weights it packs, as mlx-lm does
+        bias = module.bias.size if "bias" in module else 0
+        return module.weight.size * 32 // module.bits + bias
+    return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def footprint(model: nn.Module, config: dict) -> Footprint:
+    """Count parameters and bytes from shapes alone (works on a lazy, unallocated model)."""
+    shape = zoo.expert_shape(config)
+    counts = {"total": [0, 0], "expert": [0, 0], "embedding": [0, 0], "head": [0, 0]}
+    moe_layers = set()
+    for path, module in tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
+        n, b = _param_count(module), _nbytes(module)
+        counts["total"][0] += n
+        counts["total"][1] += b
+        if isinstance(module, (SwitchLinear, QuantizedSwitchLinear)):
+            kind = "expert"
+            moe_layers.add(path.split(".switch_mlp")[0].split(".experts")[0])
+        elif isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+            kind = "embedding"
+        elif path.endswith("lm_head"):
+            kind = "head"
+        else:
+            continue
+        counts[kind][0] += n
+        counts[kind][1] += b
+    return Footprint(
+        params_total=counts["total"][0],
+        params_expert=counts["expert"][0],
+        params_embedding=counts["embedding"][0],
+        params_head=counts["head"][0],
+        bytes_total=counts["total"][1],
+        bytes_expert=counts["expert"][1],
+        bytes_embedding=counts["embedding"][1],
+        bytes_head=counts["head"][1],
+        experts=shape[0] if shape else None,
+        top_k=shape[1] if shape else None,
+        layers=len(model.layers),
+        moe_layers=len(moe_layers),
+    )
+
+
+@dataclass
+class Built:
+    """A model ready to run, with what it is and what it costs."""
+
+    model: nn.Module
+    config: dict  # the config it was built from, sliced to ``layers``
+    source: ModelSource
+    dtype: str
+    bits: int | None
+    layers: int
+    layers_full: int
+    footprint: Footprint
+
+    def materialise(self) -> None:
+        mx.eval(self.model.parameters())
+
+
+def _slice_config(config: dict, layers: int) -> dict:
+    sliced = copy.deepcopy(config)
+    sliced["num_hidden_layers"] = layers
+    if isinstance(sliced.get("layer_types"), list):
+        sliced["layer_types"] = sliced["layer_types"][:layers]
+    return sliced
+
+
+def default_dtype() -> str:
+    """float16 on a GPU; float32 on MLX's CPU backend, whose gather_mm supports only float32."""
+    return "float16" if mx.default_device() == mx.gpu else "float32"
+
+
+def build(
+    source: ModelSource,
+    dtype: str | None = None,
+    bits: int | None = None,
+    layers: int | None = None,
+    seed: int = 0,
+) -> Built:
+    """Build ``source`` lazily (no weights allocated) at ``dtype``, quantized to ``bits`` if given,
+    keeping its first ``layers`` decoder layers. Call ``materialise`` after the memory check."""
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise MacMoesdError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if bits not in (None, 4, 8):
+        raise MacMoesdError(f"--bits must be 4 or 8, got {bits}")
+    layers_full = int(source.config["num_hidden_layers"])
+    layers = layers or layers_full
+    if not 1 <= layers <= layers_full:
+        raise MacMoesdError(f"--layers must be in 1..{layers_full} for {source.name}, got {layers}")
+    config = _slice_config(source.config, layers)
+    mx.random.seed(seed)
+    try:
+        if source.has_weights:
+            # strict=False: the checkpoint also holds the layers past the slice.
+            model, _ = load_model(source.weights_dir, lazy=True, model_config=config, strict=False)
+        else:
+            model_class, args_class = _get_classes(config)
+            model = model_class(args_class.from_dict(config))
+    except ValueError as err:  # mlx-lm: unsupported model_type, bad args
+        raise MacMoesdError(f"cannot build {source.name}: {err}") from None
+    already_quantized = "quantization" in source.config and source.has_weights
+    if not already_quantized:
+        model.set_dtype(DTYPES[dtype])
+        if bits is not None:
+            # On CPU, quantize from float32 (DESIGN.md section 5): float16 scales are 20-35x slower.
+            model, config = quantize_model(model, config, group_size=GROUP_SIZE, bits=bits)
+    return Built(model, config, source, dtype, bits, layers, layers_full, footprint(model, config))
+
+
+
+def describe_zoo() -> list[dict]:
+    """One row per zoo model: shape, threshold, parameters and bytes (built lazily, nothing allocated)."""
+    from mac_moesd import theory
+
+    rows = []
+    for entry in zoo.ZOO:
+        fp = build(ModelSource(entry.name, entry.config), dtype="float16").footprint
+        shape = zoo.expert_shape(entry.config)
+        rho = theory.sparsity(*shape) if shape else None
+        rows.append({
+            "name": entry.name,
+            "role": entry.role,
+            "arch": entry.model_type,
+            "experts": shape[0] if shape else None,
+            "top_k": shape[1] if shape else None,
+            "rho": rho,
+            "threshold_tokens": theory.saturation_threshold(rho) if rho else None,
+            "layers": entry.config["num_hidden_layers"],
+            "params_total": fp.params_total,
+            "params_active": fp.params_active,
+            "params_expert": fp.params_expert,
+            "bytes": {f: fp.params_total * b for f, b in theory.WEIGHT_FORMATS.items()},
+            "source": entry.source,
+        })
+    return rows

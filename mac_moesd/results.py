@@ -1,0 +1,115 @@
+"""The results file: one JSON document per chip, written atomically after every finished point.
+
+Format history (``schema``):
+- ``mac-moesd/1``: ``meta`` plus sections ``sweeps`` (keyed by model/dtype/bits/context/layers,
+  each with ``points`` keyed ``"<batch>x<tokens>"``), ``draft``, ``reject`` and later sections.
+
+Rerunning the same command resumes: points already present under the same key are skipped. A file
+that is corrupt, of another schema, or measured on another machine or MLX version is reported and
+left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mac_moesd.errors import MacMoesdError
+
+__all__ = ["SCHEMA", "ResultsStore", "load_results"]
+
+SCHEMA = "mac-moesd/1"
+# Meta fields that must match for measurements to share one file.
+COMPATIBLE_KEYS = ("chip_slug", "backend")
+COMPATIBLE_VERSIONS = ("mlx",)
+
+
+def load_results(path: Path) -> dict:
+    """Read and validate a results file; raise MacMoesdError saying what is wrong."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise MacMoesdError(f"results file not found: {path}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise MacMoesdError(
+            f"{path} is corrupt (not valid JSON: {err}); it was left untouched"
+        ) from None
+    if not isinstance(data, dict) or "schema" not in data:
+        raise MacMoesdError(f"{path} is not a mac-moesd results file; it was left untouched")
+    if data["schema"] != SCHEMA:
+        raise MacMoesdError(
+            f"{path} has schema {data['schema']!r}, this version reads {SCHEMA!r}; "
+            "it was left untouched"
+        )
+    return data
+
+
+def write_atomic(path: Path, document: dict) -> None:
+    """Write JSON to a temp file in the same folder, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(document, f, indent=1, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def incompatibility(old: dict, new: dict) -> str | None:
+    """Why two ``meta`` blocks cannot share a results file, or None."""
+    for key in COMPATIBLE_KEYS:
+        if old.get(key) != new.get(key):
+            return f"{key} {old.get(key)!r} there, {new.get(key)!r} here"
+    for key in COMPATIBLE_VERSIONS:
+        a, b = old.get("versions", {}).get(key), new.get("versions", {}).get(key)
+        if a != b:
+            return f"{key} {a} there, {b} here"
+    if old.get("blas", {}).get("name") != new.get("blas", {}).get("name"):
+        return f"BLAS {old.get('blas', {}).get('name')} there, {new.get('blas', {}).get('name')} here"
+    return None
+
+
+class ResultsStore:
+    """A results file opened for resuming: read once, updated in memory, saved atomically."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = Path(path)
+        if self.path.exists():
+            self.data = load_results(self.path)
+            why = incompatibility(self.data.get("meta", {}), meta)
+            if why:
+                raise MacMoesdError(
+                    f"{self.path} was measured elsewhere ({why}); it was left untouched. "
+                    "Write to another folder with --out."
+                )
+            self.data["meta"]["last_run"] = {"time": meta.get("time"), "command": meta.get("command")}
+        else:
+            self.data = {"schema": SCHEMA, "meta": meta}
+
+    def section(self, name: str) -> dict:
+        return self.data.setdefault(name, {})
+
+    def entry(self, section: str, key: str, header: dict) -> dict:
+        """The entry ``key`` of ``section``, created with ``header`` if new."""
+        entries = self.section(section)
+        if key not in entries:
+            entries[key] = {**header, "points": {}}
+        return entries[key]
+
+    def put(self, section: str, key: str, value: Any) -> None:
+        self.section(section)[key] = value
+        self.save()
+
+    def save(self) -> None:
+        write_atomic(self.path, self.data)

@@ -1,0 +1,380 @@
+"""The T_T(B, t) grid: forward time of B sequences of t new tokens each over a KV cache at context L.
+
+Per batch size the cache is prefilled once to the context; after every timed forward it is rolled
+back (trimmed, or restored from a snapshot for caches that cannot trim, e.g. sliding windows) and
+its offset checked. Also the drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B).
+Models too big for memory are measured on slices of N and 2N layers and extrapolated to full depth.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from mac_moesd import models, timing
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.results import ResultsStore
+from mac_moesd.sampling import rejection_sample
+
+__all__ = ["SweepConfig", "plan_layers", "run_sweep"]
+
+PREFILL_CHUNK = 512
+MEMORY_MARGIN = 1.2  # headroom over the estimate for activations, allocator slack and the OS
+
+
+
+class Progress:
+    """Told how many points a sweep will measure, then of each as it finishes. Silent here."""
+
+    def expect(self, points: int) -> None:
+        pass
+
+    def advance(self, label: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    model: str
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    tokens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)
+    context: int = 512
+    dtype: str | None = None
+    bits: int | None = None
+    layers: int | None = None  # None: all layers if they fit, else the largest slice that does
+    draft: str | None = None
+    gamma: int = 4  # draft length whose rejection step T_rej(B) is timed
+    budget: timing.Budget = field(default_factory=timing.Budget)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name, values in (("batch", self.batches), ("tokens", self.tokens)):
+            if not values or min(values) < 1:
+                raise BadInput(f"--{name} values must be >= 1, got {list(values)}")
+        if self.context < 1:
+            raise BadInput(f"--context must be >= 1, got {self.context}")
+        if self.gamma < 1:
+            raise BadInput(f"--gamma must be >= 1, got {self.gamma}")
+
+
+# ---- memory ----
+
+
+def kv_bytes_per_token(config: dict, dtype: str) -> int:
+    """KV-cache bytes one token adds to one layer (keys plus values, all KV heads)."""
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if "kv_lora_rank" in config:  # MLA as mlx-lm's deepseek_v2 caches it: full keys and values
+        k_dim = config.get("qk_nope_head_dim", 128) + config.get("qk_rope_head_dim", 64)
+        return heads * (k_dim + config.get("v_head_dim", 128)) * models.DTYPES[dtype].size
+    return 2 * kv_heads * head_dim * models.DTYPES[dtype].size
+
+
+def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
+    """Weights + the largest batch's cache + the reference cache + logits, with a margin."""
+    per_token = kv_bytes_per_token(built.config, built.dtype) * built.layers
+    tokens = (max(cfg.batches) + min(cfg.batches)) * (cfg.context + max(cfg.tokens))
+    vocab = built.config.get("vocab_size", 0)
+    logits = max(cfg.batches) * max(cfg.tokens) * vocab * 4
+    return int((built.footprint.bytes_total + per_token * tokens + logits) * MEMORY_MARGIN)
+
+
+def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | None) -> list[int]:
+    """Which layer counts to measure: [full], or [N, 2N] to extrapolate, or refuse."""
+    full = int(source.config["num_hidden_layers"])
+
+    def fits(n: int) -> bool:
+        if available is None:
+            return True
+        return estimate_bytes(models.build(source, cfg.dtype, cfg.bits, n), cfg) <= available
+
+    if cfg.layers is not None:
+        if not 1 <= cfg.layers <= full:
+            raise BadInput(f"--layers must be in 1..{full} for {source.name}, got {cfg.layers}")
+        plan = [full] if 2 * cfg.layers > full else [cfg.layers, 2 * cfg.layers]
+    elif fits(full):
+        plan = [full]
+    else:
+        n = full // 2
+        while n >= 1 and not fits(2 * n):
+            n //= 2
+        plan = [max(n, 1), 2 * max(n, 1)]
+    if not fits(plan[-1]):
+        need = estimate_bytes(models.build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
+        raise MacMoesdError(
+            f"{source.name} with {plan[-1]} layers needs about {need / 2**30:.1f} GiB but "
+            f"{available / 2**30:.1f} GiB is usable here; try --layers 1, --bits 4, "
+            "a smaller --batch or --context"
+        )
+    return plan
+
+
+# ---- one model at one slice ----
+
+
+class RolledBackCache:
+    """A prompt cache prefilled to ``context``; ``rollback`` undoes the last forward."""
+
+    def __init__(self, model, batch: int, context: int, vocab: int):
+        self.cache = make_prompt_cache(model)
+        self.context = context
+        prompt = mx.random.randint(0, vocab, (batch, context))
+        for start in range(0, context, PREFILL_CHUNK):
+            model(prompt[:, start : start + PREFILL_CHUNK], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        self.trimmable = can_trim_prompt_cache(self.cache)
+        # Snapshot for caches that cannot trim; new array objects keep the prefilled data alive.
+        self.snapshot = None if self.trimmable else [
+            tuple(mx.array(s) if isinstance(s, mx.array) else s for s in c.state)
+            for c in self.cache
+        ]
+
+    def rollback(self, tokens: int) -> None:
+        if self.trimmable:
+            trim_prompt_cache(self.cache, tokens)
+        else:
+            for c, state in zip(self.cache, self.snapshot):
+                c.state = state
+        offsets = {c.offset for c in self.cache}
+        if offsets != {self.context}:
+            raise MacMoesdError(f"KV cache not restored: offsets {sorted(offsets)}, want {self.context}")
+
+    def state(self) -> list:
+        return [c.state for c in self.cache]
+
+
+def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int) -> timing.Point:
+    inputs = mx.random.randint(0, vocab, (batch, tokens))
+    mx.eval(inputs)
+
+    def run():
+        return model(inputs, cache=cache.cache), cache.state()
+
+    return timing.Point(run=run, reset=lambda: cache.rollback(tokens))
+
+
+def reject_point(batch: int, gamma: int, vocab: int) -> timing.Point:
+    target = mx.random.normal((batch, gamma + 1, vocab))
+    draft = mx.random.normal((batch, gamma, vocab))
+    tokens = mx.random.randint(0, vocab, (batch, gamma))
+    mx.eval(target, draft, tokens)
+    return timing.Point(run=lambda: rejection_sample(target, draft, tokens))
+
+
+def point_key(batch: int, tokens: int) -> str:
+    return f"{batch}x{tokens}"
+
+
+def entry_key(built: models.Built, context: int) -> str:
+    bits = f"q{built.bits}" if built.bits else built.dtype
+    return f"{built.source.name}|{bits}|L{context}|layers{built.layers}"
+
+
+def measure_grid(
+    built: models.Built,
+    cfg: SweepConfig,
+    tokens: tuple[int, ...],
+    entry: dict,
+    save: Callable[[], None],
+    progress: Progress,
+    rng: random.Random,
+) -> None:
+    """Measure the missing (B, t) points of ``entry``, one batch size at a time."""
+    vocab = built.config["vocab_size"]
+    for batch in cfg.batches:
+        todo = [t for t in tokens if point_key(batch, t) not in entry["points"]]
+        for t in set(tokens) - set(todo):
+            progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t} (kept)")
+        if not todo:
+            continue
+        cache = RolledBackCache(built.model, batch, cfg.context, vocab)
+        points = {t: forward_point(built.model, cache, batch, t, vocab) for t in todo}
+
+        def done(t, m, batch=batch):
+            entry["points"][point_key(batch, t)] = m.to_dict()
+            save()
+            progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
+
+        timing.measure(points, cfg.budget, rng, on_done=done)
+        del cache, points
+
+
+def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng) -> dict | None:
+    """Re-measure the first point after the grid; compare with its first measurement."""
+    key = point_key(cfg.batches[0], cfg.tokens[0])
+    if key not in entry["points"]:
+        return None
+    vocab = built.config["vocab_size"]
+    cache = RolledBackCache(built.model, cfg.batches[0], cfg.context, vocab)
+    point = forward_point(built.model, cache, cfg.batches[0], cfg.tokens[0], vocab)
+    after = timing.measure({key: point}, cfg.budget, rng)[key]
+    before = timing.Measurement.from_dict(entry["points"][key])
+    return {"point": key, **timing.drift(before, after).to_dict()}
+
+
+# ---- extrapolation ----
+
+
+def extrapolate(small: dict, large: dict, n: int, full: int) -> dict:
+    """Full-depth points from slices of n and 2n layers: T = T_n + (T_2n - T_n) * (full - n) / n.
+
+    The estimate is a*T_n + b*T_2n; spreads combine as sqrt(a^2 s_n^2 + b^2 s_2n^2).
+    """
+    a, b = (2 * n - full) / n, (full - n) / n
+    out = {}
+    for key in small["points"].keys() & large["points"].keys():
+        s, l = small["points"][key], large["points"][key]
+        median = a * s["median_s"] + b * l["median_s"]
+        iqr = ((a * s["iqr_s"]) ** 2 + (b * l["iqr_s"]) ** 2) ** 0.5
+        out[key] = {
+            "median_s": median,
+            "iqr_s": iqr,
+            "cv": iqr / 1.349 / median if median > 0 else 0.0,  # IQR of a normal is 1.349 sd
+            "repeats": min(s["repeats"], l["repeats"]),
+            "extrapolated": True,
+        }
+    return out
+
+
+# ---- the whole sweep ----
+
+
+def run_sweep(
+    cfg: SweepConfig,
+    store: ResultsStore,
+    available_bytes: int | None,
+    progress: Progress = Progress(),
+) -> dict:
+    """Measure (resuming what ``store`` has) and return the sweep document of DESIGN.md section 3."""
+    rng = random.Random(cfg.seed)
+    source = models.resolve(cfg.model)
+    check_context(source, cfg)
+    plan = plan_layers(source, cfg, available_bytes)
+    grid = len(cfg.batches) * len(cfg.tokens)
+    progress.expect(grid * len(plan) + len(cfg.batches) * (2 if cfg.draft else 1))
+    entries, footprint_full = [], None
+    for layers in plan:
+        built = models.build(source, cfg.dtype, cfg.bits, layers, seed=cfg.seed)
+        footprint_full = footprint_full or models.build(source, cfg.dtype, cfg.bits).footprint
+        header = {
+            "model": source.name, "dtype": built.dtype, "bits": built.bits,
+            "context": cfg.context, "layers": layers, "layers_full": built.layers_full,
+            "footprint": built.footprint.to_dict(),
+        }
+        entry = store.entry("sweeps", entry_key(built, cfg.context), header)
+        built.materialise()
+        measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng)
+        entry["drift"] = measure_drift(built, cfg, entry, rng)
+        store.save()
+        entries.append(entry)
+        del built
+    document = sweep_document(cfg, source, plan, entries, footprint_full)
+    if cfg.draft:
+        document["draft"] = measure_draft(cfg, store, available_bytes, progress, rng)
+    document["reject"] = measure_reject(cfg, source, store, progress, rng)
+    return document
+
+
+def check_context(source: models.ModelSource, cfg: SweepConfig) -> None:
+    limit = source.config.get("max_position_embeddings")
+    if limit and cfg.context + max(cfg.tokens) > limit:
+        raise BadInput(
+            f"--context {cfg.context} plus {max(cfg.tokens)} new tokens exceeds "
+            f"{source.name}'s maximum of {limit} positions"
+        )
+
+
+def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
+    """T_D(B, 1): the drafter's one-token step at every batch size (full depth, never sliced)."""
+    draft_cfg = replace(cfg, model=cfg.draft, tokens=(1,), layers=None, bits=cfg.bits)
+    source = models.resolve(cfg.draft)
+    check_context(source, draft_cfg)
+    plan = plan_layers(source, draft_cfg, available_bytes)
+    if len(plan) > 1:
+        raise MacMoesdError(f"drafter {source.name} does not fit in memory")
+    built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
+    header = {
+        "model": source.name, "dtype": built.dtype, "bits": built.bits,
+        "context": cfg.context, "layers": built.layers, "layers_full": built.layers_full,
+        "footprint": built.footprint.to_dict(), "role": "draft",
+    }
+    entry = store.entry("draft", entry_key(built, cfg.context), header)
+    built.materialise()
+    measure_grid(built, draft_cfg, (1,), entry, store.save, progress, rng)
+    return {**header, "points": points_list(entry["points"])}
+
+
+def measure_reject(cfg, source, store, progress, rng) -> dict:
+    """T_rej(B): rejection sampling over the vocabulary for B x (gamma+1) positions."""
+    vocab = source.config["vocab_size"]
+    key = f"V{vocab}|gamma{cfg.gamma}"
+    entry = store.entry("reject", key, {"vocab": vocab, "gamma": cfg.gamma})
+    todo = [b for b in cfg.batches if point_key(b, cfg.gamma + 1) not in entry["points"]]
+    for b in set(cfg.batches) - set(todo):
+        progress.advance(f"rejection sampling B={b} (kept)")
+    points = {b: reject_point(b, cfg.gamma, vocab) for b in todo}
+
+    def done(b, m):
+        entry["points"][point_key(b, cfg.gamma + 1)] = m.to_dict()
+        store.save()
+        progress.advance(f"rejection sampling B={b}")
+
+    timing.measure(points, cfg.budget, rng, on_done=done)
+    return {**entry, "points": points_list(entry["points"])}
+
+
+def points_list(points: dict) -> list[dict]:
+    out = []
+    for key, m in points.items():
+        batch, tokens = (int(v) for v in key.split("x"))
+        row = {"batch": batch, "tokens": tokens}
+        row.update({k: v for k, v in m.items() if k != "samples_s"})
+        out.append(row)
+    return sorted(out, key=lambda r: (r["batch"], r["tokens"]))
+
+
+def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
+    wanted = {point_key(b, t) for b in cfg.batches for t in cfg.tokens}
+    if len(plan) == 1:
+        points = {k: v for k, v in entries[0]["points"].items() if k in wanted}
+        extrapolated = False
+    else:
+        points = {
+            k: v for k, v in extrapolate(entries[0], entries[1], plan[0], entries[0]["layers_full"]).items()
+            if k in wanted
+        }
+        extrapolated = True
+    warnings = []
+    for entry in entries:
+        label = f"{source.name} ({entry['layers']} layers)"
+        measured = [timing.Measurement.from_dict(m) for k, m in entry["points"].items() if k in wanted]
+        warnings += timing.grid_warnings(label, measured)
+        drift = entry.get("drift")
+        if drift and drift["flagged"]:
+            warnings.append(
+                f"{label}: reference point {drift['point']} moved {drift['change']:+.1%} between "
+                "start and end (thermal throttling or background load); rerun plugged in with "
+                "other apps closed"
+            )
+    return {
+        "model": source.name,
+        "points": points_list(points),
+        "context": cfg.context,
+        "layers_measured": plan,
+        "layers_full": entries[0]["layers_full"],
+        "extrapolated": extrapolated,
+        "dtype": entries[0]["dtype"],
+        "bits": entries[0]["bits"],
+        "footprint": footprint_full.to_dict(),
+        "slices": [
+            {"layers": e["layers"], "points": points_list({k: v for k, v in e["points"].items() if k in wanted}),
+             "drift": e.get("drift")}
+            for e in entries
+        ],
+        "warnings": warnings,
+    }

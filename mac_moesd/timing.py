@@ -1,0 +1,200 @@
+"""The one timer every measurement uses.
+
+Each point is a callable whose outputs are forced with ``mx.eval`` inside the timed region (MLX
+is lazy: an un-evaluated result costs nothing), followed by an untimed reset (e.g. trimming the
+KV cache back). Points are warmed up once per shape, then sampled in rounds whose order is
+shuffled, until the median's 95% confidence interval is tight or the point's budget is spent.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Hashable
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["Budget", "Drift", "Measurement", "Point", "drift", "measure", "summarise"]
+
+DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
+SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
+
+
+@dataclass(frozen=True)
+class Point:
+    """One thing to time: ``run`` returns the arrays to evaluate; ``reset`` runs untimed after."""
+
+    run: Callable[[], Any]
+    reset: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Budget:
+    warmup: int = 2  # untimed calls per point before sampling (kernel compilation, allocation)
+    min_repeats: int = 5
+    max_repeats: int = 200
+    target_ci: float = 0.01  # stop when the 95% CI half-width of the median is within this fraction
+    seconds_per_point: float = 2.0
+    per_visit: int = 3  # samples taken each time a round visits a point
+
+    def __post_init__(self):
+        if self.min_repeats < 3 or self.max_repeats < self.min_repeats:
+            raise ValueError("need 3 <= min_repeats <= max_repeats")
+        if self.warmup < 0 or self.per_visit < 1 or self.seconds_per_point <= 0:
+            raise ValueError("warmup >= 0, per_visit >= 1 and seconds_per_point > 0 required")
+
+
+QUICK = Budget(warmup=1, min_repeats=5, max_repeats=40, target_ci=0.02, seconds_per_point=0.5)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Summary of one point's samples (seconds)."""
+
+    median_s: float
+    iqr_s: float
+    cv: float
+    min_s: float
+    mean_s: float
+    repeats: int
+    ci_rel: float  # half-width of the median's 95% CI over the median
+    converged: bool  # False when the budget ended before the CI was within target
+    warmups: int
+    samples_s: list[float] = field(repr=False, default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Measurement:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+def median_ci_rel(sorted_values: np.ndarray) -> float:
+    """Distribution-free 95% CI of the median from order statistics, as a fraction of it."""
+    n = len(sorted_values)
+    half = 1.96 * math.sqrt(n) / 2
+    lo = max(int(math.floor(n / 2 - half)), 1)
+    hi = min(int(math.ceil(n / 2 + half)), n)
+    median = float(np.median(sorted_values))
+    if median <= 0:
+        return math.inf
+    return float(sorted_values[hi - 1] - sorted_values[lo - 1]) / 2 / median
+
+
+def summarise(samples: list[float], target_ci: float, warmups: int) -> Measurement:
+    values = np.sort(np.asarray(samples, dtype=float))
+    q1, median, q3 = np.percentile(values, [25, 50, 75])
+    mean = float(values.mean())
+    cv = float(values.std(ddof=1) / mean) if len(values) > 1 and mean > 0 else 0.0
+    ci = median_ci_rel(values)
+    return Measurement(
+        median_s=float(median),
+        iqr_s=float(q3 - q1),
+        cv=cv,
+        min_s=float(values[0]),
+        mean_s=mean,
+        repeats=len(values),
+        ci_rel=ci,
+        converged=ci <= target_ci,
+        warmups=warmups,
+        samples_s=[float(v) for v in samples],
+    )
+
+
+def time_once(point: Point) -> float:
+    start = time.perf_counter()
+    mx.eval(point.run())
+    elapsed = time.perf_counter() - start
+    if point.reset is not None:
+        point.reset()
+    return elapsed
+
+
+def measure(
+    points: dict[Hashable, Point],
+    budget: Budget = Budget(),
+    rng: random.Random | None = None,
+    on_done: Callable[[Hashable, Measurement], None] | None = None,
+) -> dict[Hashable, Measurement]:
+    """Measure every point; ``on_done`` is called as each one finishes (to save it at once)."""
+    rng = rng or random.Random(0)
+    for point in points.values():
+        for _ in range(budget.warmup):
+            time_once(point)
+    samples: dict[Hashable, list[float]] = {key: [] for key in points}
+    spent = {key: 0.0 for key in points}
+    done: dict[Hashable, Measurement] = {}
+
+    def finished(key) -> bool:
+        n = len(samples[key])
+        if n < budget.min_repeats:
+            return False
+        if n >= budget.max_repeats or spent[key] >= budget.seconds_per_point:
+            return True
+        return median_ci_rel(np.sort(samples[key])) <= budget.target_ci
+
+    while len(done) < len(points):
+        order = [key for key in points if key not in done]
+        rng.shuffle(order)
+        for key in order:
+            for _ in range(budget.per_visit):
+                elapsed = time_once(points[key])
+                samples[key].append(elapsed)
+                spent[key] += elapsed
+            if finished(key):
+                done[key] = summarise(samples[key], budget.target_ci, budget.warmup)
+                if on_done is not None:
+                    on_done(key, done[key])
+    return done
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A reference point measured at the start and again at the end of a run."""
+
+    before_s: float
+    after_s: float
+    threshold: float = DRIFT_THRESHOLD
+
+    @property
+    def change(self) -> float:
+        return self.after_s / self.before_s - 1.0
+
+    @property
+    def flagged(self) -> bool:
+        return abs(self.change) > self.threshold
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "change": self.change, "flagged": self.flagged}
+
+
+def drift(before: Measurement, after: Measurement) -> Drift:
+    return Drift(before.median_s, after.median_s)
+
+
+def grid_warnings(label: str, measurements: list[Measurement]) -> list[str]:
+    """pyperf-style advice on a set of measurements that should not be trusted as they are."""
+    out = []
+    noisy = [m for m in measurements if m.cv >= 0.10]
+    if noisy:
+        worst = max(m.cv for m in noisy)
+        out.append(
+            f"{label}: {len(noisy)} of {len(measurements)} points have a spread of 10% or more "
+            f"(worst CV {worst:.0%}); close other apps, plug in power, and rerun"
+        )
+    short = [m for m in measurements if m.median_s < SHORT_SAMPLE_S]
+    if short:
+        out.append(f"{label}: {len(short)} points take under 1 ms; launch overhead weighs on them")
+    loose = [m for m in measurements if not m.converged]
+    if loose:
+        worst = max(m.ci_rel for m in loose)
+        out.append(
+            f"{label}: {len(loose)} of {len(measurements)} points ended on the time budget before "
+            f"the median's 95% CI reached the target (worst +/-{worst:.1%}); "
+            "raise --seconds-per-point for tighter numbers"
+        )
+    return out
