@@ -227,11 +227,12 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
     a config.json, or a Hugging Face repo id already in the local cache.
     """
-    from mac_moesd.sweep import SweepConfig, run_sweep
+    from mac_moesd.sweep import SweepConfig, run_sweep, validate
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
                       gamma=gamma, budget=budget_from(quick, seconds_per_point))
+    validate(cfg)
     machine, meta, store = open_store(out)
     progress = ProgressBar(f"sweep {model}")
     try:

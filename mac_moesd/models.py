@@ -227,8 +227,8 @@ def build(
         else:
             model_class, args_class = _get_classes(config)
             model = model_class(args_class.from_dict(config))
-    except ValueError as err:  # mlx-lm: unsupported model_type, bad args
-        raise MacMoesdError(f"cannot build {source.name}: {err}") from None
+    except (ValueError, TypeError, KeyError) as err:  # unsupported model_type, missing config keys
+        raise MacMoesdError(f"cannot build {source.name} from its config: {err}") from None
     already_quantized = "quantization" in source.config and source.has_weights
     if not already_quantized:
         model.set_dtype(DTYPES[dtype])

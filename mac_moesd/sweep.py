@@ -94,8 +94,6 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
         return estimate_bytes(models.build(source, cfg.dtype, cfg.bits, n), cfg) <= available
 
     if cfg.layers is not None:
-        if not 1 <= cfg.layers <= full:
-            raise BadInput(f"--layers must be in 1..{full} for {source.name}, got {cfg.layers}")
         plan = [full] if 2 * cfg.layers > full else [cfg.layers, 2 * cfg.layers]
     elif fits(full):
         plan = [full]
@@ -252,8 +250,7 @@ def run_sweep(
 ) -> dict:
     """Measure (resuming what ``store`` has) and return the sweep document of DESIGN.md section 3."""
     rng = random.Random(cfg.seed)
-    source = models.resolve(cfg.model)
-    check_context(source, cfg)
+    source = validate(cfg)
     plan = plan_layers(source, cfg, available_bytes)
     grid = len(cfg.batches) * len(cfg.tokens)
     progress.expect(grid * len(plan) + len(cfg.batches) * (2 if cfg.draft else 1))
@@ -278,6 +275,18 @@ def run_sweep(
         document["draft"] = measure_draft(cfg, store, available_bytes, progress, rng)
     document["reject"] = measure_reject(cfg, source, store, progress, rng)
     return document
+
+
+def validate(cfg: SweepConfig) -> models.ModelSource:
+    """Check the model and its limits before anything is opened or allocated."""
+    source = models.resolve(cfg.model)
+    check_context(source, cfg)
+    full = int(source.config["num_hidden_layers"])
+    if cfg.layers is not None and not 1 <= cfg.layers <= full:
+        raise BadInput(f"--layers must be in 1..{full} for {source.name}, got {cfg.layers}")
+    if cfg.draft:
+        check_context(models.resolve(cfg.draft), cfg)
+    return source
 
 
 def check_context(source: models.ModelSource, cfg: SweepConfig) -> None:

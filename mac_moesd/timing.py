@@ -74,11 +74,15 @@ class Measurement:
 
 
 def median_ci_rel(sorted_values: np.ndarray) -> float:
-    """Distribution-free 95% CI of the median from order statistics, as a fraction of it."""
+    """Distribution-free 95% CI of the median from order statistics, as a fraction of it.
+
+    Ranks floor(n/2 - 0.98 sqrt(n)) and ceil(1 + n/2 + 0.98 sqrt(n)), 1-based (Conover,
+    Practical Nonparametric Statistics, the normal approximation to the binomial).
+    """
     n = len(sorted_values)
     half = 1.96 * math.sqrt(n) / 2
     lo = max(int(math.floor(n / 2 - half)), 1)
-    hi = min(int(math.ceil(n / 2 + half)), n)
+    hi = min(int(math.ceil(1 + n / 2 + half)), n)
     median = float(np.median(sorted_values))
     if median <= 0:
         return math.inf

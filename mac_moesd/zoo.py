@@ -207,6 +207,9 @@ def miniature(config: dict, layers: int = 2, experts: int = 8, top_k: int = 2) -
     return small
 
 
+REQUIRED_KEYS = ("num_hidden_layers", "vocab_size", "hidden_size")
+
+
 def read_config(path: Path) -> dict:
     """A config.json as a dict, with a clear error when it is missing or not a model config."""
     try:
@@ -217,4 +220,7 @@ def read_config(path: Path) -> dict:
         raise MacMoesdError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise MacMoesdError(f"{path} has no 'model_type': not a model config.json")
+    missing = [k for k in REQUIRED_KEYS if k not in config]
+    if missing:
+        raise MacMoesdError(f"{path} lacks {', '.join(map(repr, missing))}")
     return config

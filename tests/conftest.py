@@ -1,0 +1,21 @@
+import json
+
+import pytest
+
+from mac_moesd import timing
+
+# The smallest budget the timer accepts: enough to exercise every code path in seconds.
+TINY_BUDGET = timing.Budget(warmup=1, min_repeats=3, max_repeats=3, seconds_per_point=0.01, per_visit=1)
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    """Write a config dict as <tmp>/<name>/config.json and return the folder."""
+
+    def write(config: dict, name: str = "model"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder
+
+    return write

@@ -1,0 +1,139 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from mac_moesd.cli import cli
+
+QUICK = ["--context", "16", "--seconds-per-point", "0.01", "--quick"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_zoo_json_lists_real_models():
+    result = invoke("zoo", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {m["name"]: m for m in json.loads(result.stdout)["models"]}
+    assert rows["mixtral-8x7b"]["threshold_tokens"] == 11
+    assert rows["qwen2-57b-a14b"]["threshold_tokens"] == 23
+    assert rows["qwen2-57b-a14b"]["params_total"] == pytest.approx(57.4e9, rel=0.01)
+    assert rows["qwen2.5-14b"]["experts"] is None
+    assert all(m["source"] for m in rows.values())
+    table = invoke("zoo")
+    assert "qwen3-30b-a3b" in table.output and "T_thres" in table.output
+
+
+def test_sweep_json_contract(tmp_path):
+    result = invoke("sweep", "tiny-moe", "--batch", "1,2", "--tokens", "1,2", *QUICK,
+                    "--out", tmp_path, "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    for key in ("model", "points", "context", "layers_measured", "layers_full", "meta"):
+        assert key in doc
+    assert doc["context"] == 16 and doc["layers_full"] == 4
+    for p in doc["points"]:
+        assert {"batch", "tokens", "median_s", "iqr_s", "cv", "repeats"} <= set(p)
+    assert doc["meta"]["backend"] == "cpu"
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["schema"] == "mac-moesd/1"
+
+
+def test_sweep_table(tmp_path):
+    result = invoke("sweep", "tiny-dense", "--batch", "1", "--tokens", "1,2", *QUICK, "--out", tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert "T_T(B,t) / T_T(B,1)" in result.stdout
+    assert any(line.split()[:2] == ["1", "1.00"] for line in result.stdout.splitlines())
+
+
+@pytest.mark.parametrize("args, code, fragment", [
+    (["sweep", "tiny-mo"], 1, "did you mean tiny-moe"),
+    (["sweep", "/no/such/config.json"], 1, "config file not found"),
+    (["sweep", "tiny-moe", "--batch", "0"], 2, "0 is not >= 1"),
+    (["sweep", "tiny-moe", "--tokens", "-1"], 2, "-1 is not >= 1"),
+    (["sweep", "tiny-moe", "--tokens", "1,,2"], 2, "not a comma-separated list"),
+    (["sweep", "tiny-moe", "--context", "5000"], 2, "maximum of 4096 positions"),
+    (["sweep", "tiny-moe", "--layers", "9"], 2, "--layers must be in 1..4"),
+])
+def test_sweep_bad_input(earlier_results, args, code, fragment):
+    folder, content = earlier_results
+    result = invoke(*args, "--out", folder)
+    assert result.exit_code == code, result.output
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (folder / "results.json").read_text() == content
+
+
+@pytest.fixture(scope="module")
+def earlier_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("earlier")
+    assert invoke("sweep", "tiny-moe", "--batch", "1", "--tokens", "1", *QUICK, "--out", folder).exit_code == 0
+    return folder, (folder / "results.json").read_text()
+
+
+def test_corrupt_results_file_is_left_alone(tmp_path):
+    (tmp_path / "results.json").write_text("{half a file")
+    result = invoke("sweep", "tiny-moe", "--out", tmp_path)
+    assert result.exit_code == 1
+    assert "corrupt" in result.stderr
+    assert (tmp_path / "results.json").read_text() == "{half a file"
+
+
+def test_model_too_big_is_refused_before_allocating(tmp_path, config_dir):
+    folder = config_dir({"model_type": "qwen3", "hidden_size": 65536, "num_hidden_layers": 2,
+                         "intermediate_size": 65536, "num_attention_heads": 64,
+                         "num_key_value_heads": 8, "head_dim": 1024, "vocab_size": 3_000_000,
+                         "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                         "max_position_embeddings": 4096, "rope_theta": 1e6})
+    result = invoke("sweep", folder, "--batch", "1", "--tokens", "1", "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert "GiB is usable here" in result.stderr
+
+
+def test_incomplete_config_is_a_clear_error(tmp_path, config_dir):
+    folder = config_dir({"model_type": "qwen3", "hidden_size": 64})
+    result = invoke("sweep", folder, "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert "lacks 'num_hidden_layers', 'vocab_size'" in result.stderr
+    folder = config_dir({"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+                         "vocab_size": 100}, "second")
+    result = invoke("sweep", folder, "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert "cannot build second from its config" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def read_points(path):
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return next(iter(data.get("sweeps", {}).values()), {}).get("points", {})
+
+
+def test_sigkill_midway_then_resume(tmp_path):
+    results = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2,4",
+           "--tokens", "1,2,3,4", "--context", "16", "--seconds-per-point", "0.2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(read_points(results)) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = read_points(results)
+    assert 2 <= len(before) < 12, "the sweep should have been killed midway"
+    json.loads(results.read_text())  # still valid JSON
+    done = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    after = read_points(results)
+    assert len(after) == 12
+    for key, value in before.items():
+        assert after[key] == value

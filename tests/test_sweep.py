@@ -1,0 +1,151 @@
+import json
+
+import mlx.core as mx
+import pytest
+from conftest import TINY_BUDGET
+from mlx_lm.utils import save_config, save_model
+
+from mac_moesd import models, sweep, zoo
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.results import ResultsStore, load_results
+
+META = {"chip_slug": "test", "backend": "cpu", "versions": {"mlx": mx.__version__},
+        "blas": {"name": "x"}}
+
+
+def small_sweep(model, **kw):
+    args = dict(model=str(model), batches=(1, 2), tokens=(1, 3), context=20, budget=TINY_BUDGET)
+    args.update(kw)
+    return sweep.SweepConfig(**args)
+
+
+@pytest.mark.parametrize("entry", zoo.ZOO, ids=lambda e: e.name)
+def test_every_zoo_architecture_runs_a_timed_forward_with_rollback(entry, config_dir, tmp_path):
+    config = zoo.miniature(entry.config)
+    if "sliding_window" in config:
+        config["sliding_window"] = 8  # smaller than the context: the cache cannot trim, only restore
+    folder = config_dir(config, entry.name)
+    store = ResultsStore(tmp_path / "results.json", META)
+    doc = sweep.run_sweep(small_sweep(folder), store, available_bytes=None)
+    assert [(p["batch"], p["tokens"]) for p in doc["points"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    for p in doc["points"]:
+        assert p["median_s"] > 0 and p["repeats"] == 3
+    assert doc["layers_measured"] == [2] and not doc["extrapolated"]
+    assert doc["footprint"]["params_total"] > 0
+
+
+def test_rollback_restores_cache_and_output(config_dir):
+    built = models.build(models.resolve(str(config_dir(zoo.miniature(zoo.by_name("tiny-moe").config)))))
+    built.materialise()
+    cache = sweep.RolledBackCache(built.model, batch=2, context=12, vocab=256)
+    inputs = mx.random.randint(0, 256, (2, 3))
+    first = built.model(inputs, cache=cache.cache)
+    mx.eval(first)
+    cache.rollback(3)
+    again = built.model(inputs, cache=cache.cache)
+    mx.eval(again)
+    cache.rollback(3)
+    assert mx.allclose(first, again).item()
+    assert {c.offset for c in cache.cache} == {12}
+
+
+def test_resume_skips_measured_points_and_keeps_them(config_dir, tmp_path):
+    folder = config_dir(zoo.miniature(zoo.by_name("tiny-dense").config))
+    path = tmp_path / "results.json"
+    sweep.run_sweep(small_sweep(folder, tokens=(1,)), ResultsStore(path, META), None)
+    first = load_results(path)["sweeps"]
+    (key,) = first
+    kept = first[key]["points"]["1x1"]
+    doc = sweep.run_sweep(small_sweep(folder, tokens=(1, 3)), ResultsStore(path, META), None)
+    data = load_results(path)["sweeps"][key]["points"]
+    assert data["1x1"] == kept
+    assert set(data) == {"1x1", "2x1", "1x3", "2x3"}
+    assert len(doc["points"]) == 4
+
+
+def test_layer_slices_extrapolate_to_full_depth(config_dir, tmp_path):
+    config = zoo.miniature(zoo.by_name("tiny-moe").config, layers=4)
+    folder = config_dir(config)
+    doc = sweep.run_sweep(small_sweep(folder, layers=1), ResultsStore(tmp_path / "r.json", META), None)
+    assert doc["layers_measured"] == [1, 2] and doc["extrapolated"] and doc["layers_full"] == 4
+    one, two = ({(p["batch"], p["tokens"]): p["median_s"] for p in s["points"]} for s in doc["slices"])
+    for p in doc["points"]:
+        key = (p["batch"], p["tokens"])
+        assert p["extrapolated"]
+        assert p["median_s"] == pytest.approx(one[key] + (two[key] - one[key]) * 3)
+
+
+def test_extrapolation_formula():
+    small = {"points": {"1x1": {"median_s": 1.0, "iqr_s": 0.1, "repeats": 5}}}
+    large = {"points": {"1x1": {"median_s": 1.5, "iqr_s": 0.1, "repeats": 7}}}
+    out = sweep.extrapolate(small, large, n=2, full=10)["1x1"]
+    assert out["median_s"] == pytest.approx(1.0 + 0.5 * 4)  # 0.25 s per layer, 0.5 s outside
+    assert out["repeats"] == 5
+
+
+def test_memory_guard_slices_then_refuses(config_dir):
+    big = models.resolve("qwen2-57b-a14b")
+    cfg = sweep.SweepConfig(model="qwen2-57b-a14b", batches=(1,), tokens=(1,), context=64)
+    plan = sweep.plan_layers(big, cfg, available=48 * 2**30)
+    assert len(plan) == 2 and plan[1] == 2 * plan[0] and plan[1] < 28
+    huge = dict(zoo.by_name("tiny-dense").config, hidden_size=16384, vocab_size=2_000_000)
+    source = models.resolve(str(config_dir(huge)))
+    with pytest.raises(MacMoesdError, match="GiB is usable here"):
+        sweep.plan_layers(source, sweep.SweepConfig(model="x", batches=(1,), tokens=(1,)), 2**30)
+
+
+def test_bad_sweep_input():
+    with pytest.raises(BadInput, match="--batch"):
+        sweep.SweepConfig(model="tiny-moe", batches=(0,))
+    with pytest.raises(BadInput, match="--tokens"):
+        sweep.SweepConfig(model="tiny-moe", tokens=(-1,))
+    cfg = sweep.SweepConfig(model="tiny-moe", context=5000)
+    with pytest.raises(BadInput, match="maximum of 4096 positions"):
+        sweep.check_context(models.resolve("tiny-moe"), cfg)
+
+
+def test_draft_and_reject_steps(tmp_path):
+    cfg = sweep.SweepConfig(model="tiny-dense", batches=(1, 2), tokens=(1,), context=8,
+                            draft="tiny-draft", budget=TINY_BUDGET)
+    doc = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
+    assert [p["batch"] for p in doc["draft"]["points"]] == [1, 2]
+    assert doc["draft"]["model"] == "tiny-draft"
+    assert [(p["batch"], p["tokens"]) for p in doc["reject"]["points"]] == [(1, 5), (2, 5)]
+
+
+def test_saved_model_with_weights_loads_through_mlx_lm(tmp_path):
+    config = zoo.miniature(zoo.by_name("tiny-moe").config)
+    built = models.build(models.ModelSource("m", config), seed=3)
+    built.materialise()
+    folder = tmp_path / "saved"
+    save_model(folder, built.model)
+    save_config(config, folder / "config.json")
+    source = models.resolve(str(folder))
+    assert source.has_weights
+    loaded = models.build(source)
+    loaded.materialise()
+    x = mx.array([[1, 2, 3]])
+    assert mx.allclose(built.model(x), loaded.model(x)).item()
+    assert models.build(source, layers=1).layers == 1
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(MacMoesdError, match="did you mean tiny-moe"):
+        models.resolve("tiny-mo")
+    with pytest.raises(MacMoesdError, match="config file not found"):
+        models.resolve(str(tmp_path / "nothing.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 3}))
+    with pytest.raises(MacMoesdError, match="no 'model_type'"):
+        models.resolve(str(tmp_path / "bad.json"))
+    with pytest.raises(MacMoesdError, match="not in the local Hugging Face cache"):
+        models.resolve("nobody/not-a-cached-model")
+
+
+def test_footprint_of_real_dimensions():
+    fp = models.build(models.resolve("qwen3-30b-a3b"), dtype="float16").footprint
+    assert fp.params_total == pytest.approx(30.5e9, rel=0.01)
+    assert fp.params_active == pytest.approx(3.0e9, rel=0.05)
+    assert fp.experts == 128 and fp.top_k == 8 and fp.moe_layers == 48
+    assert fp.bytes_per_expert == pytest.approx(fp.bytes_expert / 128)
+    dense = models.build(models.resolve("qwen3-4b"), dtype="float16").footprint
+    assert dense.params_expert == 0 and dense.experts is None
