@@ -12,7 +12,7 @@ import click
 
 from mac_moesd import __version__, blas, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_info, render_sweep, render_theory, render_zoo
+from mac_moesd.formatting import render_info, render_roofline, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -244,6 +244,43 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
     for message in document["warnings"]:
         warn(message)
     emit(document, as_json, render_sweep)
+
+
+@cli.command(name="roofline")
+@click.option("--quick", is_flag=True, help="Smaller arrays and budgets (under a minute on a CPU box).")
+@click.option("--sizes", type=NumberList(float, minimum=0, open_min=True), default=None,
+              help="Array sizes in MiB for read/copy/triad [default: 1,4,16,64,256,1024].")
+@click.option("--max-size", type=click.FloatRange(0, min_open=True), default=None,
+              help="Drop sizes above this many MiB.")
+@out_option()
+@json_option
+def roofline_command(quick, sizes, max_size, out, as_json) -> None:
+    """Measured bandwidth and FLOPS, the ridge point, and the chip's spec beside them."""
+    from mac_moesd import roofline
+
+    cfg = roofline.QUICK if quick else roofline.RooflineConfig()
+    if sizes:
+        cfg = replace(cfg, sizes=tuple(int(s * roofline.MiB) // 16 * 16 for s in sizes))
+    if max_size:
+        kept = tuple(s for s in cfg.sizes if s <= max_size * roofline.MiB)
+        cfg = replace(cfg, sizes=kept or (int(max_size * roofline.MiB) // 16 * 16,))
+    machine, meta, store = open_store(out)
+    roofline.validate(cfg, machine.available_bytes)
+    spec = machine.to_dict()["spec"]
+    steps = len(cfg.sizes) + 4 + len(cfg.dtypes) + 2
+    progress = ProgressBar("roofline")
+    progress.expect(steps)
+    try:
+        document = roofline.run_roofline(cfg, spec, machine.backend, progress.advance)
+    finally:
+        progress.close()
+    store.data["roofline"] = document
+    store.save()
+    document["meta"] = meta
+    document["results_file"] = str(store.path)
+    if document["kernels"]["path"] != "metal":
+        warn(document["kernels"]["note"])
+    emit(document, as_json, render_roofline)
 
 
 def main() -> None:

@@ -171,3 +171,33 @@ def render_sweep(doc: dict) -> str:
     blas = doc["meta"]["blas"]["name"]
     lines += [f"backend {doc['meta']['backend']}, BLAS {blas}; results in {doc['results_file']}"]
     return "\n".join(lines)
+
+
+def render_roofline(doc: dict) -> str:
+    bw, fl = doc["bandwidth_gbs"], doc["flops_tflops"]
+    lines = [f"backend {doc['backend']}; bandwidth kernels: {doc['kernels']['note']}", ""]
+    lines.append(table(["bandwidth", "GB/s"], [[k, f"{v:.1f}"] for k, v in bw.items()]))
+    lines.append(f"ceiling: {doc['bandwidth_ceiling_gbs']:.1f} GB/s ({doc['bandwidth_ceiling_source']})")
+    lines += ["", table(["compute", "TFLOPS"], [[k, f"{v:.4g}"] for k, v in fl.items()])]
+    lines += [
+        "",
+        f"ridge point ({doc['ridge_dtype']}): {doc['ridge_flop_per_byte']:.1f} FLOP/byte",
+        "in tokens per forward: " + ", ".join(f"{k} {v:.1f}" for k, v in doc["ridge_tokens"].items()),
+        "quantized-matmul knee (tokens where compute time equals weight-streaming time): "
+        + ", ".join(f"{b}-bit {v:.1f}" if v else f"{b}-bit n/a" for b, v in doc["qmm_knee_tokens"].items()),
+    ]
+    rows = []
+    for r in doc["qmm_curve"]:
+        rows.append([f"{r['bits']}", str(r["tokens"]), seconds(r["median_s"]), f"{r['cv']:.0%}",
+                     f"{r['tflops'] * 1e3:.3g}"])
+    lines += ["", table(["bits", "tokens", "time", "CV", "GFLOPS"], rows)]
+    frac = doc["fraction_of_spec"]
+    if frac:
+        parts = [f"bandwidth {frac['bandwidth']:.0%}"]
+        if "fp32_flops" in frac:
+            parts.append(f"FP32 {frac['fp32_flops']:.0%}")
+        lines.append("of the chip's published spec: " + ", ".join(parts))
+    else:
+        lines.append("no published spec for this machine")
+    lines.append(f"results in {doc['results_file']}")
+    return "\n".join(lines)
