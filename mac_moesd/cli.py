@@ -260,12 +260,15 @@ def roofline_command(quick, sizes, max_size, out, as_json) -> None:
 
     cfg = roofline.QUICK if quick else roofline.RooflineConfig()
     if sizes:
-        cfg = replace(cfg, sizes=tuple(int(s * roofline.MiB) // 16 * 16 for s in sizes))
+        if min(sizes) < 1 / 64:
+            raise BadInput("--sizes must be at least 1/64 MiB each")
+        cfg = replace(cfg, sizes=roofline.sizes_from_mib(sizes))
+    cap = None
     if max_size:
-        kept = tuple(s for s in cfg.sizes if s <= max_size * roofline.MiB)
-        cfg = replace(cfg, sizes=kept or (int(max_size * roofline.MiB) // 16 * 16,))
+        cap = roofline.sizes_from_mib((max_size,))[0]
+        cfg = replace(cfg, sizes=tuple(s for s in cfg.sizes if s <= cap) or (cap,))
     machine, meta, store = open_store(out)
-    roofline.validate(cfg, machine.available_bytes)
+    roofline.validate(cfg, machine.available_bytes, cap)
     spec = machine.to_dict()["spec"]
     steps = len(cfg.sizes) + 4 + len(cfg.dtypes) + 2
     progress = ProgressBar("roofline")
