@@ -12,7 +12,7 @@ import click
 
 from mac_moesd import __version__, blas, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_info, render_roofline, render_sweep, render_theory, render_zoo
+from mac_moesd.formatting import render_info, render_roofline, render_routing, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -284,6 +284,36 @@ def roofline_command(quick, sizes, max_size, out, as_json) -> None:
     if document["kernels"]["path"] != "metal":
         warn(document["kernels"]["note"])
     emit(document, as_json, render_roofline)
+
+
+@cli.command(name="routing")
+@click.argument("model")
+@click.option("--text", default=None,
+              help="A text file or folder, 'code' (Python's standard library) or 'prose' "
+                   "(built-in sample) [default: random token ids].")
+@click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4,8,16,32",
+              show_default=True, help="Independent sequences B per window.")
+@click.option("--tokens", type=NumberList(int, minimum=1), default="1,2,4,8", show_default=True,
+              help="Consecutive tokens t per sequence in a window.")
+@click.option("--length", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens per routed sequence.")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="Route only the first N layers.")
+@click.option("--tau", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.95,
+              show_default=True, help="Saturation level.")
+@out_option()
+@json_option
+def routing_command(model, text, batches, tokens, length, layers, tau, out, as_json) -> None:
+    """Unique experts real routing activates, against the uniform N(t), with correlation."""
+    from mac_moesd.routing import RoutingConfig, run_routing
+
+    cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
+                        layers=layers, tau=tau)
+    machine, meta, store = open_store(out)
+    document = run_routing(cfg, machine.available_bytes)
+    store.put("routing", f"{document['model']}|{document['text']}", document)
+    document["meta"] = meta
+    document["results_file"] = str(store.path)
+    emit(document, as_json, render_routing)
 
 
 def main() -> None:

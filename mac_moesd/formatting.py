@@ -201,3 +201,41 @@ def render_roofline(doc: dict) -> str:
         lines.append("no published spec for this machine")
     lines.append(f"results in {doc['results_file']}")
     return "\n".join(lines)
+
+
+def render_routing(doc: dict) -> str:
+    lines = [
+        f"{doc['model']}: E = {doc['experts']}, K = {doc['top_k']}; {doc['sequences']} sequences x "
+        f"{doc['length']} tokens from {doc['text']} ({doc['token_ids']} ids); "
+        f"{doc['moe_layers_measured']} MoE layers averaged",
+        "",
+        "unique experts per window: measured (sd) / uniform N(B*t)",
+    ]
+    cells = {(w["batch"], w["tokens"]): w for w in doc["windows"]}
+    batches = sorted({b for b, _ in cells})
+    tokens = sorted({t for _, t in cells})
+    rows = []
+    for b in batches:
+        row = [str(b)]
+        for t in tokens:
+            w = cells[(b, t)]
+            row.append(f"{w['measured_unique']:.1f} ({w['std_unique']:.1f}) / {w['uniform_unique']:.1f}")
+        rows.append(row)
+    lines.append(table(["B \\ t", *map(str, tokens)], rows))
+    lines += [
+        "",
+        f"correlation c (consecutive tokens of one sequence): {doc['correlation']:.3f}",
+        f"correlation across independent sequences: {doc['batch_correlation']:.3f}",
+        f"saturation threshold: {doc['threshold_uniform']} tokens uniform, "
+        f"{doc['threshold_corrected']} with c = {doc['correlation']:.2f}",
+    ]
+    sat = {(s["batch"], s["gamma"]): s for s in doc["saturation"]}
+    gammas = sorted({g for _, g in sat})
+    def mark(s):
+        return ("yes" if s["saturated"] else "-") + ("" if s["source"] == "measured" else "*")
+
+    rows = [[str(b)] + [mark(sat[(b, g)]) for g in gammas] for b in batches]
+    lines += ["", f"does a verify window of B x gamma tokens reach {doc['tau']} E? "
+              "(* predicted from the fitted correlations, others measured)",
+              table(["B \\ gamma", *map(str, gammas)], rows)]
+    return "\n".join(lines)

@@ -1,0 +1,321 @@
+"""Which experts real routing activates, against the uniform N(t), and the fitted correlation.
+
+Every MoE block in mlx-lm's MoE architectures (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2,
+gpt_oss, ...) hands its chosen top-k indices to one switch module (``SwitchGLU``/``SwitchMLP``)
+as ``switch(x, indices)``. Capture swaps each such module's class for a subclass that records the
+indices and then runs the original call, so the model's output is bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import zlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from scipy.optimize import least_squares
+
+from mac_moesd import theory
+from mac_moesd.errors import BadInput, MacMoesdError
+
+__all__ = ["capture_routing", "count_windows", "fit_correlation", "routing_document", "token_source"]
+
+SWITCH_TYPES = (SwitchGLU, SwitchMLP)
+_recording_classes: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of ``cls`` whose call appends the indices to ``self._routing_sink``."""
+    if cls not in _recording_classes:
+        def __call__(self, x, indices, *args, **kwargs):
+            self._routing_sink.append(indices)
+            return cls.__call__(self, x, indices, *args, **kwargs)
+
+        _recording_classes[cls] = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
+    return _recording_classes[cls]
+
+
+def switch_modules(model: nn.Module) -> list[nn.Module]:
+    """The routed-expert modules in layer order; empty for a dense model."""
+    switches, seen = [], set()
+    for _, module in model.named_modules():
+        if isinstance(module, SWITCH_TYPES) and id(module) not in seen:
+            seen.add(id(module))
+            switches.append(module)
+    return switches
+
+
+@contextlib.contextmanager
+def capture_routing(model: nn.Module):
+    """Within the block, each forward appends one (tokens..., k) index array per MoE layer to the
+    yielded list of lists (one inner list per layer)."""
+    switches = switch_modules(model)
+    if not switches:
+        raise MacMoesdError("this model has no MoE layers (no SwitchGLU/SwitchMLP modules)")
+    sinks: list[list[mx.array]] = [[] for _ in switches]
+    originals = [m.__class__ for m in switches]
+    try:
+        for module, sink in zip(switches, sinks):
+            module._routing_sink = sink
+            module.__class__ = _recording_class(module.__class__)
+        yield sinks
+    finally:
+        for module, cls in zip(switches, originals):
+            module.__class__ = cls
+            del module._routing_sink
+
+
+# ---- token sources ----
+
+BUILTIN_SOURCES = ("code", "prose")
+
+
+def builtin_text(name: str, limit_chars: int = 400_000) -> str:
+    """'code': the Python standard library's own sources; 'prose': text written for this project."""
+    if name == "prose":
+        return resources.files("mac_moesd").joinpath("data/prose.txt").read_text()
+    if name == "code":
+        stdlib = Path(contextlib.__file__).parent
+        parts, size = [], 0
+        for path in sorted(stdlib.glob("*.py")):
+            text = path.read_text(errors="replace")
+            parts.append(text)
+            size += len(text)
+            if size >= limit_chars:
+                break
+        return "\n".join(parts)
+    raise BadInput(f"unknown built-in text {name!r} (known: {', '.join(BUILTIN_SOURCES)})")
+
+
+def read_text(path: Path) -> str:
+    """A text file, or every file in a directory, concatenated."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        text = "\n".join(p.read_text(errors="replace") for p in files)
+    elif path.is_file():
+        text = path.read_text(errors="replace")
+    else:
+        raise BadInput(f"text file not found: {path}")
+    if not text.strip():
+        raise BadInput(f"{path} holds no text")
+    return text
+
+
+def hashed_tokens(text: str, vocab: int) -> list[int]:
+    """Token ids for a model without a tokenizer: each whitespace word hashed into the vocabulary."""
+    return [zlib.crc32(word.encode()) % vocab for word in text.split()]
+
+
+def token_source(text: str | None, tokenizer, vocab: int, needed: int, seed: int) -> tuple[list[int], str]:
+    """Enough token ids, and how they were made ('tokenizer', 'hashed' or 'random')."""
+    if text is None:
+        rng = random.Random(seed)
+        return [rng.randrange(vocab) for _ in range(needed)], "random"
+    ids = tokenizer.encode(text) if tokenizer is not None else hashed_tokens(text, vocab)
+    how = "tokenizer" if tokenizer is not None else "hashed"
+    if len(ids) < needed:
+        raise BadInput(f"the text gives {len(ids)} tokens; this routing grid needs {needed}")
+    return ids, how
+
+
+# ---- counting ----
+
+
+@dataclass(frozen=True)
+class Window:
+    batch: int
+    tokens: int
+    measured_unique: float  # mean over windows and layers
+    std_unique: float  # spread across windows and layers
+    windows: int  # windows counted per layer
+
+
+def routed_indices(model: nn.Module, tokens: mx.array) -> np.ndarray:
+    """(layers, B, L, k) expert indices for one forward over ``tokens`` (B, L)."""
+    batch, length = tokens.shape
+    with capture_routing(model) as sinks:
+        mx.eval(model(tokens))
+    per_layer = []
+    for sink in sinks:
+        (indices,) = sink
+        per_layer.append(np.array(indices).reshape(batch, length, -1))
+    return np.stack(per_layer)
+
+
+def count_windows(indices: np.ndarray, batch: int, tokens: int) -> Window:
+    """Unique experts hit by ``batch`` sequences x ``tokens`` consecutive tokens, per layer.
+
+    ``indices`` is (layers, S, L, k) for S >= batch sequences; windows tile the sequences
+    (groups of ``batch`` sequences, non-overlapping spans of ``tokens``).
+    """
+    layers, sequences, length, _ = indices.shape
+    counts = []
+    for first in range(0, sequences - batch + 1, batch):
+        for start in range(0, length - tokens + 1, tokens):
+            window = indices[:, first : first + batch, start : start + tokens, :]
+            counts.extend(len(np.unique(window[layer])) for layer in range(layers))
+    if not counts:
+        raise BadInput(f"no window of B={batch} x t={tokens} fits {sequences} sequences of {length}")
+    counts = np.asarray(counts, dtype=float)
+    return Window(batch, tokens, float(counts.mean()), float(counts.std(ddof=1)) if len(counts) > 1 else 0.0,
+                  len(counts) // layers)
+
+
+def fit_correlation(windows: list[Window], experts: int, top_k: int) -> float:
+    """c in N_c(t) = E(1 - (1 - rho)^(c t)) fitted by least squares to measured unique counts.
+
+    Windows of B sequences count B*t tokens. c is bounded to (0, 1]: 1 is uniform routing.
+    """
+    n = np.array([w.batch * w.tokens for w in windows], dtype=float)
+    measured = np.array([w.measured_unique for w in windows])
+    informative = n > 1  # one token always hits exactly K experts
+    if not informative.any():
+        return 1.0
+    n, measured = n[informative], measured[informative]
+
+    def residual(c):
+        return theory.activated_experts(c[0] * n, experts, top_k) - measured
+
+    return float(least_squares(residual, x0=[0.9], bounds=([1e-3], [1.0])).x[0])
+
+
+def routing_document(
+    indices: np.ndarray,
+    experts: int,
+    top_k: int,
+    batches: tuple[int, ...],
+    tokens: tuple[int, ...],
+    tau: float,
+    gammas: tuple[int, ...] = tuple(range(1, 9)),
+) -> dict:
+    rho = theory.sparsity(experts, top_k)
+    windows = [count_windows(indices, b, t) for b in batches for t in tokens]
+    single = [w for w in windows if w.batch == 1]
+    across = [w for w in windows if w.tokens == 1]
+    correlation = fit_correlation(single, experts, top_k)
+    batch_correlation = fit_correlation(across, experts, top_k)
+    rows = []
+    for w in windows:
+        n = w.batch * w.tokens
+        rows.append({
+            "batch": w.batch, "tokens": w.tokens, "measured_unique": w.measured_unique,
+            "std_unique": w.std_unique, "windows": w.windows,
+            "uniform_unique": float(theory.activated_experts(n, experts, top_k)),
+        })
+    # A verify window is B sequences x gamma tokens: measured where the grid has it, else
+    # predicted as B*c_batch*c*gamma uniform tokens (independent sequences of correlated tokens).
+    measured = {(w.batch, w.tokens): w.measured_unique for w in windows}
+    saturation = []
+    for b in batches:
+        for g in gammas:
+            if (b, g) in measured:
+                active, how = measured[(b, g)], "measured"
+            else:
+                effective = b * batch_correlation * correlation * g
+                active, how = float(theory.activated_experts(effective, experts, top_k)), "predicted"
+            saturation.append({"batch": b, "gamma": g, "verify_tokens": b * g, "unique": active,
+                               "source": how, "saturated": active >= tau * experts})
+    return {
+        "experts": experts,
+        "top_k": top_k,
+        "rho": rho,
+        "tau": tau,
+        "windows": rows,
+        "correlation": correlation,
+        "batch_correlation": batch_correlation,
+        "threshold_uniform": theory.saturation_threshold(rho, tau),
+        "threshold_corrected": theory.correlated_threshold(rho, correlation, tau),
+        "saturation": saturation,
+    }
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    model: str
+    text: str | None = None  # a file or folder, "code", "prose", or None for random ids
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    tokens: tuple[int, ...] = (1, 2, 4, 8)
+    length: int = 64  # tokens per sequence
+    layers: int | None = None
+    tau: float = 0.95
+    seed: int = 0
+
+
+def load_text(spec: str | None) -> tuple[str | None, str]:
+    """The text to route, and a description of where it came from."""
+    if spec is None:
+        return None, "random token ids"
+    if spec in BUILTIN_SOURCES and not Path(spec).exists():
+        where = {"code": f"Python {sys.version.split()[0]} standard library sources",
+                 "prose": "built-in prose sample"}[spec]
+        return builtin_text(spec), where
+    return read_text(Path(spec)), str(spec)
+
+
+def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
+    """Route the token source through the model and count experts; the routing document."""
+    from mac_moesd import models
+
+    if min(cfg.batches) < 1 or min(cfg.tokens) < 1 or cfg.length < max(cfg.tokens):
+        raise BadInput("--batch and --tokens must be >= 1 and --length >= the largest --tokens")
+    source = models.resolve(cfg.model)
+    shape = zoo_shape(source.config)
+    text, where = load_text(cfg.text)
+    built = models.build(source, layers=cfg.layers, seed=cfg.seed)
+    if available_bytes is not None and built.footprint.bytes_total * 1.2 > available_bytes:
+        raise MacMoesdError(
+            f"{source.name} needs about {built.footprint.bytes_total * 1.2 / 2**30:.1f} GiB; "
+            f"{available_bytes / 2**30:.1f} GiB is usable here: route a slice with --layers"
+        )
+    if not switch_modules(built.model):
+        raise MacMoesdError(f"{source.name} has no MoE layers to route")
+    built.materialise()
+    tokenizer = _tokenizer(source)
+    sequences = 2 * max(cfg.batches)
+    ids, how = token_source(text, tokenizer, source.config["vocab_size"],
+                            max(cfg.batches) * cfg.length, cfg.seed)
+    sequences = min(sequences, len(ids) // cfg.length)
+    # Independent sequences: spans spread evenly over the token stream.
+    stride = len(ids) // sequences
+    rows = [ids[i * stride : i * stride + cfg.length] for i in range(sequences)]
+    indices = routed_indices(built.model, mx.array(rows))
+    document = routing_document(indices, *shape, cfg.batches, cfg.tokens, cfg.tau)
+    document.update({
+        "model": source.name,
+        "text": where,
+        "token_ids": how,
+        "sequences": sequences,
+        "length": cfg.length,
+        "layers_measured": built.layers,
+        "layers_full": built.layers_full,
+        "moe_layers_measured": int(indices.shape[0]),
+    })
+    return document
+
+
+def zoo_shape(config: dict) -> tuple[int, int]:
+    from mac_moesd import zoo
+
+    shape = zoo.expert_shape(config)
+    if shape is None:
+        raise MacMoesdError("this model has no MoE layers (no expert count in its config)")
+    return shape
+
+
+def _tokenizer(source):
+    """mlx-lm's tokenizer for a local model folder that ships one; None otherwise."""
+    if source.weights_dir is None:
+        return None
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(source.weights_dir)
+    except Exception:  # no tokenizer files: fall back to hashed ids, said in the document
+        return None
