@@ -12,7 +12,7 @@ import click
 
 from mac_moesd import __version__, blas, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_info, render_roofline, render_routing, render_sweep, render_theory, render_zoo
+from mac_moesd.formatting import render_fit, render_info, render_roofline, render_routing, render_spec, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -314,6 +314,77 @@ def routing_command(model, text, batches, tokens, length, layers, tau, out, as_j
     document["meta"] = meta
     document["results_file"] = str(store.path)
     emit(document, as_json, render_routing)
+
+
+@cli.command(name="fit")
+@click.argument("results", type=click.Path(path_type=Path))
+@click.option("--model", default=None, help="Which MoE sweep in the file [default: the first].")
+@click.option("--alpha", type=NumberList(float, minimum=0, open_min=True), default=None,
+              help="Acceptance rates to predict for, in (0, 1) [default: 0.5,0.7,0.9].")
+@click.option("--verify-tokens", type=click.Choice(["gamma", "gamma+1"]), default="gamma",
+              show_default=True, help="Tokens in the verify forward (MoESD uses gamma).")
+@json_option
+def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
+    """Fit the MoESD time model to a results file; held-out error and predicted speedups.
+
+    RESULTS is a results.json or the folder holding it.
+    """
+    from mac_moesd import fit
+    from mac_moesd.results import load_results
+
+    if alpha and any(a >= 1 for a in alpha):
+        raise click.BadParameter(f"{max(alpha)} is not in (0, 1)", param_hint="'--alpha'")
+    path = results / "results.json" if results.is_dir() else results
+    data = load_results(path)
+    inputs = fit.inputs_from_results(data, model, verify_tokens)
+    if "no roofline" in inputs.ridge_source:
+        warn(f"ridge and bandwidth from the {inputs.ridge_source}")
+    result = fit.fit(inputs)
+    document = fit.fit_document(result, alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alpha or ()))))
+    data.setdefault("fits", {})[document["model"]] = document
+    from mac_moesd.results import write_atomic
+
+    write_atomic(path, data)
+    emit(document, as_json, render_fit)
+
+
+@cli.command(name="spec")
+@click.argument("target")
+@click.option("--draft", required=True, help="Drafter model (ignored with --mode self-draft).")
+@click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4", show_default=True)
+@click.option("--gamma", "gammas", type=NumberList(int, minimum=1), default="2,4", show_default=True,
+              help="Draft lengths.")
+@click.option("--alpha", "alphas", type=NumberList(float, minimum=0, open_min=True), default="0.7",
+              show_default=True, help="Acceptance rates for --mode emulated-acceptance, in (0, 1).")
+@click.option("--mode", type=click.Choice(["real", "self-draft", "emulated-acceptance"]),
+              default="emulated-acceptance", show_default=True,
+              help="real: the drafter's own tokens; self-draft: draft = target (all accepted); "
+                   "emulated-acceptance: each draft token accepted with probability alpha.")
+@click.option("--context", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Tokens each sequence generates per timed run.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@out_option()
+@json_option
+def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, out,
+                 as_json) -> None:
+    """Measured SD speedup against plain decode, beside the fitted model's prediction."""
+    from mac_moesd import fit
+    from mac_moesd.spec import SpecConfig, run_spec
+
+    cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
+                     mode=mode, context=context, new_tokens=new_tokens, repeats=repeats)
+    machine, meta, store = open_store(out)
+    from mac_moesd import models
+
+    fitted = store.data.get("fits", {}).get(models.resolve(target).name)
+    if fitted is None:
+        warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
+    predictor = fit.speedup_predictor(fitted) if fitted else None
+    document = run_spec(cfg, predictor)
+    store.put("spec", f"{document['target']}|{document['draft']}|{mode}", document)
+    document["meta"] = meta
+    emit(document, as_json, render_spec)
 
 
 def main() -> None:

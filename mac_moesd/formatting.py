@@ -239,3 +239,50 @@ def render_routing(doc: dict) -> str:
               "(* predicted from the fitted correlations, others measured)",
               table(["B \\ gamma", *map(str, gammas)], rows)]
     return "\n".join(lines)
+
+
+def render_fit(doc: dict) -> str:
+    p = doc["params"]
+    lines = [
+        f"{doc['model']} (E = {doc['experts']}, K = {doc['top_k']}), drafter {doc['draft_model']}, "
+        f"context {doc['context']}; verify forward of {doc['verify_tokens']} tokens",
+        f"ridge {doc['ridge_flop_per_byte']:.1f} FLOP/byte from the {doc['ridge_source']}; "
+        f"bandwidth {doc['bandwidth_bytes_s'] / 1e9:.1f} GB/s",
+        "",
+        table(["parameter", "value", "lower", "upper"],
+              [[k, f"{v:.4g}", f"{doc['bounds'][k][0]:.3g}",
+                "inf" if doc["bounds"][k][1] is None else f"{doc['bounds'][k][1]:.3g}"] for k, v in p.items()]
+              + [["k_kv", f"{doc['k_kv']:.4g}", "0", "inf"]]),
+        "k_kv: MagicDec's KV-read term, seconds per cached token per sequence (k_kv * B * L)",
+        "",
+    ]
+    if doc["heldout_mape"] is not None:
+        w = doc["worst_point"]
+        lines.append(f"held-out error: MAPE {doc['heldout_mape']:.1%} over {len(doc['heldout_points'])} "
+                     f"points (fit on {len(doc['train_points'])}); worst B={w['batch']} t={w['tokens']}: "
+                     f"{w['error']:+.1%}")
+    alphas = sorted({q["alpha"] for q in doc["predictions"]})
+    gammas = sorted({q["gamma"] for q in doc["predictions"]})
+    at1 = {(q["gamma"], q["alpha"]): q["speedup"] for q in doc["predictions"] if q["batch"] == 1}
+    lines += ["", "predicted SD speedup at batch 1",
+              table(["gamma", *[f"alpha={a:g}" for a in alphas]],
+                    [[str(g)] + [f"{at1[(g, a)]:.2f}" for a in alphas] for g in gammas])]
+    rows = [[str(k["gamma"]), f"{k['alpha']:g}", str(k["peak_batch"]), f"{k['peak_speedup']:.2f}",
+             f"{k['window'][0]}-{k['window'][1]}"] for k in doc["peaks"] if k["gamma"] in (2, 4, 8)]
+    lines += ["", table(["gamma", "alpha", "peak B", "peak S", "B within peak/sqrt2"], rows)]
+    return "\n".join(lines)
+
+
+def render_spec(doc: dict) -> str:
+    rows = []
+    for r in doc["runs"]:
+        pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}"
+        err = ("" if r["predicted_speedup"] is None
+               else f"{r['predicted_speedup'] / r['measured_speedup'] - 1:+.0%}")
+        rows.append([str(r["batch"]), str(r["gamma"]), f"{r['alpha']:.2f}", r["mode"],
+                     f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
+                     f"{r['measured_speedup']:.2f}", pred, err])
+    head = (f"{doc['target']} with drafter {doc['draft']}, context {doc['context']}, "
+            f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs")
+    return head + "\n" + table(["B", "gamma", "alpha", "mode", "plain tok/s", "SD tok/s",
+                                "measured S", "predicted S", "pred/meas"], rows)

@@ -261,7 +261,7 @@ def run_sweep(
         header = {
             "model": source.name, "dtype": built.dtype, "bits": built.bits,
             "context": cfg.context, "layers": layers, "layers_full": built.layers_full,
-            "footprint": built.footprint.to_dict(),
+            "vocab": built.config["vocab_size"], "footprint": built.footprint.to_dict(),
         }
         entry = store.entry("sweeps", entry_key(built, cfg.context), header)
         built.materialise()

@@ -1,0 +1,75 @@
+import json
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from mac_moesd import sampling, spec
+from mac_moesd.cli import cli
+from mac_moesd.errors import BadInput
+
+KEYS = {"batch", "gamma", "alpha", "mode", "measured_speedup", "predicted_speedup",
+        "tokens_per_s_plain", "tokens_per_s_sd"}
+
+
+def small(mode, **kw):
+    args = dict(target="tiny-moe", draft="tiny-draft", batches=(1, 2), gammas=(2,), mode=mode,
+                context=8, new_tokens=4, repeats=1)
+    args.update(kw)
+    return spec.SpecConfig(**args)
+
+
+def test_self_draft_accepts_everything():
+    doc = spec.run_spec(small("self-draft"))
+    assert doc["draft"] == "tiny-moe"
+    for run in doc["runs"]:
+        assert KEYS <= set(run)
+        assert run["mode"] == "self-draft"
+        assert run["measured_acceptance"] == 1.0
+        assert run["predicted_speedup"] is None
+
+
+def test_emulated_acceptance_uses_alpha_and_the_predictor():
+    calls = []
+
+    def predictor(b, g, a, self_draft):
+        calls.append((b, g, a, self_draft))
+        return 1.5
+
+    doc = spec.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
+    assert [(r["batch"], r["alpha"]) for r in doc["runs"]] == [(1, 0.5), (2, 0.5)]
+    assert calls == [(1, 2, 0.5, False), (2, 2, 0.5, False)]
+    for run in doc["runs"]:
+        assert 0.0 <= run["measured_acceptance"] <= 1.0 and run["predicted_speedup"] == 1.5
+
+
+def test_real_mode_batch_one_runs_mlx_lm():
+    doc = spec.run_spec(small("real", batches=(1,)))
+    (run,) = doc["runs"]
+    assert run["engine"] == "mlx-lm" and run["mode"] == "real"
+    assert run["tokens_per_s_sd"] > 0
+
+
+def test_rejection_sample_accepts_identical_distributions():
+    logits = mx.random.normal((3, 5, 32))
+    tokens = mx.random.randint(0, 32, (3, 4))
+    accepted, nxt = sampling.rejection_sample(logits, logits[:, :4], tokens)
+    assert accepted.tolist() == [4, 4, 4]  # p == q: every draft token is accepted
+    assert nxt.shape == (3,)
+
+
+@pytest.mark.parametrize("kw", [dict(mode="nope"), dict(alphas=(1.0,)), dict(batches=(0,))])
+def test_bad_spec_config(kw):
+    with pytest.raises(BadInput):
+        small("self-draft" if "mode" not in kw else kw.pop("mode"), **kw)
+
+
+def test_cli_spec_json(tmp_path):
+    result = CliRunner().invoke(cli, ["spec", "tiny-moe", "--draft", "tiny-draft", "--batch", "1",
+                                      "--gamma", "2", "--tokens", "4", "--repeats", "1",
+                                      "--context", "8", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert KEYS <= set(doc["runs"][0])
+    assert doc["runs"][0]["mode"] == "emulated-acceptance"
+    assert "no fit of tiny-moe" in result.stderr
