@@ -387,6 +387,71 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     emit(document, as_json, render_spec)
 
 
+@cli.command(name="run")
+@click.option("--quick", is_flag=True, help="Small grids and budgets: minutes, not an hour.")
+@click.option("--full", is_flag=True, help="More MoE models from the zoo (GPU backends).")
+@click.option("--models", type=str, default=None,
+              help="Comma-separated targets instead of the defaults (MoE first; a dense one is the control).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
+              show_default=True, help="Reports folder; this machine's report goes in OUT/<chip-slug>.")
+def run_command(quick, full, models, out) -> None:
+    """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report."""
+    from mac_moesd import report
+    from mac_moesd import run as runner
+
+    if quick and full:
+        raise click.UsageError("--quick and --full exclude each other")
+    machine, meta, store = open_store(out / hardware_slug())
+    plan = runner.default_plan(machine.backend, quick, full)
+    if models:
+        plan = runner.with_models(plan, tuple(m.strip() for m in models.split(",") if m.strip()))
+    stages = ["roofline", *[f"sweep {m}" for m in plan.models], *[f"routing {m}" for m in plan.moe],
+              "fit", f"spec {plan.moe[0]}", "report"]
+    bar = click.progressbar(length=len(stages), label="run", file=sys.stderr, show_eta=True,
+                            item_show_func=lambda item: item)
+    with bar:
+        def stage(label):
+            if stage.started:
+                bar.update(1)
+            stage.started = True
+            bar.label = f"run [{stages.index(label) + 1}/{len(stages)}]"
+            bar.render_progress()
+            bar.current_item = label
+
+        stage.started = False
+        runner.run_all(plan, store, machine, machine.to_dict()["spec"], stage,
+                       advance=lambda label: setattr(bar, "current_item", label) or bar.render_progress())
+        stage("report")
+        paths = report.write_report(store.data, store.path.parent)
+        bar.update(1)
+    click.echo(f"report: {paths['markdown']}")
+    click.echo(f"        {paths['html']}")
+
+
+def hardware_slug() -> str:
+    from mac_moesd import hardware
+
+    return hardware.detect().slug
+
+
+@cli.command(name="report")
+@click.argument("folder", type=click.Path(file_okay=False, exists=True, path_type=Path),
+                default=None, required=False)
+def report_command(folder) -> None:
+    """Write report.md, report.html, figures/ and sweep.csv from FOLDER/results.json.
+
+    FOLDER defaults to reports/<this chip's slug>.
+    """
+    from mac_moesd import report
+    from mac_moesd.results import load_results
+
+    folder = folder or Path("reports") / hardware_slug()
+    data = load_results(folder / "results.json")
+    paths = report.write_report(data, folder)
+    click.echo(f"report: {paths['markdown']}")
+    click.echo(f"        {paths['html']}")
+
+
 def main() -> None:
     cli()
 

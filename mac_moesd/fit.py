@@ -17,6 +17,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from mac_moesd import hardware, theory
+from mac_moesd.digest import Digest, full_depth_points
 from mac_moesd.errors import BadInput, MacMoesdError
 
 __all__ = ["FitInputs", "FitResult", "fit", "inputs_from_results", "predict", "fit_document"]
@@ -66,20 +67,6 @@ class FitResult:
 # ---- reading a results file ----
 
 
-def _full_depth_points(entries: list[dict]) -> tuple[dict, bool]:
-    """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices."""
-    from mac_moesd.sweep import extrapolate
-
-    for e in entries:
-        if e["layers"] == e["layers_full"]:
-            return e["points"], False
-    by_layers = {e["layers"]: e for e in entries}
-    for n, small in sorted(by_layers.items()):
-        if 2 * n in by_layers:
-            return extrapolate(small, by_layers[2 * n], n, small["layers_full"]), True
-    raise MacMoesdError("only partial layer slices were measured; rerun the sweep to finish them")
-
-
 def _as_pairs(points: dict) -> list[tuple[int, int, float]]:
     out = []
     for key, m in points.items():
@@ -90,18 +77,13 @@ def _as_pairs(points: dict) -> list[tuple[int, int, float]]:
 
 def inputs_from_results(data: dict, model: str | None = None, verify: str = "gamma") -> FitInputs:
     """Everything the fit needs from one results file; clear errors for what is missing."""
-    sweeps = [e for e in data.get("sweeps", {}).values() if e["footprint"].get("experts")]
-    if model:
-        sweeps = [e for e in sweeps if e["model"] == model]
-    if not sweeps:
+    views = [m for m in Digest(data).models if m.experts and (model is None or m.name == model)]
+    if not views:
         which = f" of {model}" if model else ""
         raise MacMoesdError(f"no MoE sweep{which} in the results: run `mac-moesd sweep MODEL` first")
-    name = sweeps[0]["model"]
-    group = [e for e in sweeps if e["model"] == name and e["context"] == sweeps[0]["context"]
-             and e["dtype"] == sweeps[0]["dtype"] and e["bits"] == sweeps[0]["bits"]]
-    points, extrapolated = _full_depth_points(group)
-    full = max(group, key=lambda e: e["layers"])
-    footprint = _scaled_footprint(full)
+    view = views[0]
+    name, full, footprint = view.name, view.full, view.footprint
+    points, extrapolated = full_depth_points(view.entries)
 
     drafts = list(data.get("draft", {}).values())
     if not drafts or not drafts[0]["points"]:
@@ -132,18 +114,6 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = "gam
         extrapolated=extrapolated,
         verify=verify,
     )
-
-
-def _scaled_footprint(entry: dict) -> dict:
-    """The footprint at full depth: per-layer bytes scale with layers/layers_measured."""
-    fp = dict(entry["footprint"])
-    if entry["layers"] != entry["layers_full"]:
-        scale = entry["layers_full"] / entry["layers"]
-        for key in ("bytes_per_expert",):
-            fp[key] = fp[key] * scale
-        per_layer = fp["bytes_dense_streamed"] - fp["bytes_head"] - (fp["bytes_embedding"] if fp["params_head"] == 0 else 0)
-        fp["bytes_dense_streamed"] += per_layer * (scale - 1)
-    return fp
 
 
 def _roofline_or_spec(data: dict) -> tuple[float, str, float, str]:

@@ -54,6 +54,9 @@ def write_atomic(path: Path, document: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; results are for sharing
         with os.fdopen(fd, "w") as f:
             json.dump(document, f, indent=1, allow_nan=False)
             f.write("\n")

@@ -243,7 +243,8 @@ class RoutingConfig:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     tokens: tuple[int, ...] = (1, 2, 4, 8)
     length: int = 64  # tokens per sequence
-    layers: int | None = None
+    layers: int | None = None  # None: all layers if they fit, else the first half, quarter, ...
+    bits: int | None = None
     tau: float = 0.95
     seed: int = 0
 
@@ -268,11 +269,14 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     source = models.resolve(cfg.model)
     shape = zoo_shape(source.config)
     text, where = load_text(cfg.text)
-    built = models.build(source, layers=cfg.layers, seed=cfg.seed)
-    if available_bytes is not None and built.footprint.bytes_total * 1.2 > available_bytes:
+    built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
+    while cfg.layers is None and not _fits(built, available_bytes) and built.layers > 1:
+        built = models.build(source, bits=cfg.bits, layers=built.layers // 2, seed=cfg.seed)
+    if not _fits(built, available_bytes):
         raise MacMoesdError(
-            f"{source.name} needs about {built.footprint.bytes_total * 1.2 / 2**30:.1f} GiB; "
-            f"{available_bytes / 2**30:.1f} GiB is usable here: route a slice with --layers"
+            f"{source.name} with {built.layers} layers needs about "
+            f"{built.footprint.bytes_total * 1.2 / 2**30:.1f} GiB; "
+            f"{available_bytes / 2**30:.1f} GiB is usable here: route a slice with --layers or --bits 4"
         )
     if not switch_modules(built.model):
         raise MacMoesdError(f"{source.name} has no MoE layers to route")
@@ -298,6 +302,10 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
         "moe_layers_measured": int(indices.shape[0]),
     })
     return document
+
+
+def _fits(built, available_bytes: int | None) -> bool:
+    return available_bytes is None or built.footprint.bytes_total * 1.2 <= available_bytes
 
 
 def zoo_shape(config: dict) -> tuple[int, int]:

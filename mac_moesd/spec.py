@@ -41,6 +41,7 @@ class SpecConfig:
     context: int = 64
     new_tokens: int = 32  # tokens each sequence generates per timed run
     repeats: int = 3
+    bits: int | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -168,12 +169,12 @@ def run_spec(cfg: SpecConfig, predictor=None) -> dict:
 
     rng = np.random.default_rng(cfg.seed)
     target_src = models.resolve(cfg.target)
-    target = models.build(target_src, seed=cfg.seed)
+    target = models.build(target_src, bits=cfg.bits, seed=cfg.seed)
     target.materialise()
     if cfg.mode == "self-draft":
         draft = target
     else:
-        draft = models.build(models.resolve(cfg.draft), seed=cfg.seed + 1)
+        draft = models.build(models.resolve(cfg.draft), bits=cfg.bits, seed=cfg.seed + 1)
         draft.materialise()
         if draft.config["vocab_size"] != target.config["vocab_size"]:
             raise BadInput("target and drafter must share a vocabulary size")

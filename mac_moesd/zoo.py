@@ -153,6 +153,15 @@ ZOO: tuple[ZooEntry, ...] = (
         "head_dim": 64, "vocab_size": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 4096, "tie_word_embeddings": False,
     }, "test config, Qwen3-MoE architecture"),
+    # A less sparse MoE of the same active width: 8 experts, top-2, 512 wide (rho 1/4, Mixtral's).
+    ZooEntry("tiny-moe-8x2", "test", {
+        "model_type": "qwen3_moe", "hidden_size": 512, "num_hidden_layers": 4,
+        "intermediate_size": 1024, "moe_intermediate_size": 512, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 64, "vocab_size": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    }, "test config, Qwen3-MoE architecture"),
     ZooEntry("tiny-dense", "test", {
         "model_type": "qwen3", "hidden_size": 512, "num_hidden_layers": 4,
         "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,

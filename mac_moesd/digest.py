@@ -1,0 +1,172 @@
+"""A read-only view of a results document: what the fit, the report and the plots all need.
+
+Full-depth points (measured, or extrapolated from an n/2n pair of layer slices), footprints
+scaled to full depth, and the derived curves, computed once here rather than in each reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from mac_moesd import theory
+from mac_moesd.errors import MacMoesdError
+
+VERIFY_WINDOW = 4  # the draft length shown as "the verify window" in figures and text
+
+
+def full_depth_points(entries: list[dict]) -> tuple[dict, bool]:
+    """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices."""
+    from mac_moesd.sweep import extrapolate
+
+    for e in entries:
+        if e["layers"] == e["layers_full"]:
+            return e["points"], False
+    by_layers = {e["layers"]: e for e in entries}
+    for n, small in sorted(by_layers.items()):
+        if 2 * n in by_layers:
+            return extrapolate(small, by_layers[2 * n], n, small["layers_full"]), True
+    raise MacMoesdError("only partial layer slices were measured; rerun the sweep to finish them")
+
+
+def scaled_footprint(entry: dict) -> dict:
+    """The footprint at full depth: per-layer bytes and parameters scale with the layer count."""
+    fp = dict(entry["footprint"])
+    if entry["layers"] == entry["layers_full"]:
+        return fp
+    scale = entry["layers_full"] / entry["layers"]
+    tied = fp["bytes_embedding"] if fp["params_head"] == 0 else 0
+    outside = fp["bytes_head"] + tied  # read once per forward whatever the depth
+    fp["bytes_dense_streamed"] = outside + (fp["bytes_dense_streamed"] - outside) * scale
+    fp["bytes_per_expert"] *= scale
+    fp["bytes_expert"] *= scale
+    per_layer_params = fp["params_active"] - fp["params_head"]
+    fp["params_active"] = fp["params_head"] + per_layer_params * scale
+    return fp
+
+
+@dataclass
+class ModelView:
+    name: str
+    entries: list[dict]
+
+    @cached_property
+    def _points(self) -> tuple[dict, bool]:
+        return full_depth_points(self.entries)
+
+    @property
+    def points(self) -> dict[tuple[int, int], dict]:
+        return {tuple(int(v) for v in k.split("x")): m for k, m in self._points[0].items()}
+
+    @property
+    def extrapolated(self) -> bool:
+        return self._points[1]
+
+    @property
+    def full(self) -> dict:
+        return max(self.entries, key=lambda e: e["layers"])
+
+    @cached_property
+    def footprint(self) -> dict:
+        return scaled_footprint(self.full)
+
+    @property
+    def experts(self) -> int | None:
+        return self.footprint.get("experts")
+
+    @property
+    def top_k(self) -> int | None:
+        return self.footprint.get("top_k")
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted({b for b, _ in self.points})
+
+    @property
+    def tokens(self) -> list[int]:
+        return sorted({t for _, t in self.points})
+
+    @property
+    def weight_format(self) -> str:
+        bits = self.full.get("bits")
+        if bits:
+            return f"{bits}bit"
+        return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.full["dtype"]]
+
+    @property
+    def verify_window(self) -> int:
+        return VERIFY_WINDOW
+
+    def median(self, batch: int, tokens: int) -> float | None:
+        m = self.points.get((batch, tokens))
+        return None if m is None else m["median_s"]
+
+    def ratio_curve(self, batch: int) -> tuple[list[int], list[float]]:
+        base = self.median(batch, 1)
+        ts = [t for t in self.tokens if self.median(batch, t) is not None and base]
+        return ts, [self.median(batch, t) / base for t in ts]
+
+    def efficiency_curve(self, gamma: int) -> tuple[list[int], list[float]]:
+        bs = [b for b in self.batches if self.median(b, 1) and self.median(b, gamma)]
+        return bs, [self.median(b, 1) / self.median(b, gamma) for b in bs]
+
+    def operating_point(self, tokens: int) -> tuple[float, float] | None:
+        """(FLOP per byte read, achieved FLOP/s) of a batch-1 forward of ``tokens`` tokens."""
+        seconds = self.median(1, tokens)
+        if seconds is None:
+            return None
+        fp = self.footprint
+        flop = 2 * fp["params_active"] * tokens
+        experts_read = theory.activated_experts(tokens, self.experts, self.top_k) if self.experts else 0
+        nbytes = fp["bytes_dense_streamed"] + experts_read * fp.get("bytes_per_expert", 0)
+        return flop / nbytes, flop / seconds
+
+    def cv_stats(self) -> tuple[float, float, int]:
+        """(median CV, max CV, total repeats) over the measured points of every slice."""
+        cvs, repeats = [], 0
+        for e in self.entries:
+            for m in e["points"].values():
+                cvs.append(m["cv"])
+                repeats += m["repeats"]
+        cvs.sort()
+        return (cvs[len(cvs) // 2] if cvs else 0.0), (cvs[-1] if cvs else 0.0), repeats
+
+
+class Digest:
+    def __init__(self, data: dict):
+        self.data = data
+
+    @property
+    def meta(self) -> dict:
+        return self.data.get("meta", {})
+
+    @property
+    def roofline(self) -> dict | None:
+        return self.data.get("roofline")
+
+    @cached_property
+    def models(self) -> list[ModelView]:
+        groups: dict[tuple, list[dict]] = {}
+        for entry in self.data.get("sweeps", {}).values():
+            key = (entry["model"], entry["dtype"], entry["bits"], entry["context"])
+            groups.setdefault(key, []).append(entry)
+        return [ModelView(key[0], entries) for key, entries in groups.items()]
+
+    def model(self, name: str) -> ModelView | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def routing(self) -> list[dict]:
+        return list(self.data.get("routing", {}).values())
+
+    @property
+    def fits(self) -> list[dict]:
+        return list(self.data.get("fits", {}).values())
+
+    @property
+    def spec(self) -> list[dict]:
+        return list(self.data.get("spec", {}).values())
+
+    @property
+    def drafts(self) -> list[dict]:
+        return list(self.data.get("draft", {}).values())

@@ -1,0 +1,350 @@
+"""The per-chip report, regenerated from a results file alone: report.md, report.html, figures/.
+
+Both renderings come from one list of blocks, so the markdown and the HTML say the same thing.
+The HTML is self-contained (figures embedded as data URIs). Files are written to a temporary
+folder and moved into place at the end, so an interrupted report never replaces a complete one.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import shutil
+import tempfile
+from pathlib import Path
+
+from mac_moesd import plots, theory
+from mac_moesd.digest import VERIFY_WINDOW, Digest
+
+__all__ = ["build_blocks", "write_report"]
+
+TYPICAL_ALPHA = 0.7
+
+
+def f2(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+# ---- sections ----
+
+
+def _title(d: Digest) -> list:
+    m = d.meta
+    backend = m.get("backend", "?")
+    blocks = [("h1", f"mac-moesd report: {m.get('chip', 'unknown machine')}")]
+    blas = m.get("blas", {}).get("name", "?")
+    versions = m.get("versions", {})
+    line = (f"Backend **{backend}**, BLAS {blas}, {m.get('os', '')}; measured {m.get('time', '?')} "
+            f"with mac-moesd {versions.get('mac_moesd')}, MLX {versions.get('mlx')}, "
+            f"mlx-lm {versions.get('mlx_lm')}.")
+    blocks.append(("p", line))
+    if backend != "metal":
+        blocks.append(("note", "These numbers come from MLX's " + backend.upper() + " backend, not an "
+                       "Apple-silicon GPU. They show what the suite produces; the figures describe "
+                       "this machine only."))
+    for what, why in d.data.get("skipped", {}).items():
+        blocks.append(("note", f"Skipped {what}: {why}"))
+    missing = [s for s in ("roofline", "sweeps", "routing", "fits") if not d.data.get(s)]
+    if missing:
+        blocks.append(("note", "INCOMPLETE: no " + ", ".join(missing) + " in the results; the "
+                       "sections that need them are left out."))
+    return blocks
+
+
+def _best_gamma(fit: dict, alpha: float) -> dict:
+    rows = [p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == alpha]
+    return max(rows, key=lambda p: p["speedup"])
+
+
+def _verdict(d: Digest) -> list:
+    blocks = [("h2", "Verdict: is speculative decoding worth it here?")]
+    if not d.fits:
+        return blocks + [("p", "No fit yet: run `mac-moesd run` (or `sweep` with `--draft`, then `fit`).")]
+    roof = d.roofline
+    for fit in d.fits:
+        alphas = sorted({p["alpha"] for p in fit["predictions"]})
+        at1 = {(p["gamma"], p["alpha"]): p["speedup"] for p in fit["predictions"] if p["batch"] == 1}
+        best = _best_gamma(fit, TYPICAL_ALPHA)
+        peak = next(p for p in fit["peaks"] if p["gamma"] == best["gamma"] and p["alpha"] == TYPICAL_ALPHA)
+        rho = fit["top_k"] / fit["experts"]
+        threshold = theory.saturation_threshold(rho)
+        worth = "pays off" if best["speedup"] > 1.0 else "does not pay off"
+        blocks.append(("h3", f"{fit['model']} (E = {fit['experts']}, K = {fit['top_k']}), drafter {fit['draft_model']}"))
+        text = (f"At batch 1 and acceptance {TYPICAL_ALPHA}, SD {worth}: best gamma = {best['gamma']} "
+                f"with a predicted speedup of {f2(best['speedup'])}. For that gamma SD peaks at batch "
+                f"{peak['peak_batch']} ({f2(peak['peak_speedup'])}), within peak/sqrt(2) for batches "
+                f"{peak['window'][0]}-{peak['window'][1]}. A batch-1 step routes 1 token "
+                f"({fit['top_k']} of {fit['experts']} experts); a verify window of {best['gamma']} tokens "
+                f"activates {theory.activated_experts(best['gamma'], fit['experts'], fit['top_k']):.1f} "
+                f"experts under uniform routing, against a saturation threshold of {threshold} tokens.")
+        model = d.model(fit["model"])
+        if roof and model:
+            ridge_tokens = theory.ridge_in_tokens(roof["ridge_flop_per_byte"], model.weight_format)
+            text += (f" The ridge in tokens for its {model.weight_format} weights is "
+                     f"{ridge_tokens:.1f}: beyond that a forward is compute-bound.")
+        blocks.append(("p", text))
+        rows = [[str(g)] + [f2(at1[(g, a)]) for a in alphas] for g in sorted({g for g, _ in at1})]
+        blocks.append(("table", ["gamma", *[f"S at alpha={a:g}" for a in alphas]], rows))
+    return blocks
+
+
+def _roofline(d: Digest, figures) -> list:
+    roof = d.roofline
+    if not roof:
+        return []
+    bw, fl = roof["bandwidth_gbs"], roof["flops_tflops"]
+    rows = [[k, f"{v:.1f} GB/s"] for k, v in bw.items()] + [[k, f"{v * 1e3:.3g} GFLOP/s"] for k, v in fl.items()]
+    text = (f"Ridge point: **{roof['ridge_flop_per_byte']:.1f} FLOP/byte** ({roof['ridge_dtype']} peak over the "
+            f"{roof['bandwidth_ceiling_gbs']:.1f} GB/s {roof['bandwidth_ceiling_source']} ceiling); in tokens per "
+            "forward: " + ", ".join(f"{k} {v:.1f}" for k, v in roof["ridge_tokens"].items()) + ". "
+            f"Bandwidth kernels: {roof['kernels']['note']}.")
+    knees = ", ".join(f"{b}-bit {v:.1f}" for b, v in roof["qmm_knee_tokens"].items() if v)
+    if knees:
+        text += f" Knee of the quantized-matmul curve (tokens): {knees}."
+    frac = roof.get("fraction_of_spec")
+    if frac:
+        text += f" Measured bandwidth is {pct(frac['bandwidth'])} of the published spec."
+    blocks = [("h2", "Roofline"), ("p", text), ("table", ["measure", "value"], rows)]
+    return blocks + _figure(figures, "roofline", "Measured roofline; circles: batch-1 decode, squares: a "
+                            f"{VERIFY_WINDOW}-token verify window, for each swept model.")
+
+
+def _shape(d: Digest, figures) -> list:
+    models = [m for m in d.models if m.points]
+    if not models:
+        return []
+    blocks = [("h2", "Two-factor shape: what a t-token forward costs")]
+    rows = []
+    for m in models:
+        for b in m.batches:
+            ts, rs = m.ratio_curve(b)
+            rows.append([m.name, str(b)] + [f"{r:.2f}" for r in rs])
+    width = max(len(r) for r in rows)
+    tokens = models[0].tokens
+    headers = ["model", "B"] + [f"t={t}" for t in tokens][: width - 2]
+    blocks.append(("table", headers, [r + [""] * (width - len(r)) for r in rows]))
+    blocks += _figure(figures, "ratio", "T_T(B,t)/T_T(B,1): MoE models climb with t as each token "
+                      "loads more experts; the dense control stays flat while memory-bound.")
+    blocks += _figure(figures, "efficiency", "Measured target efficiency T_T(B,1)/T_T(B,gamma).")
+    return blocks
+
+
+def _routing(d: Digest, figures) -> list:
+    if not d.routing:
+        return []
+    blocks = [("h2", "Activated experts")]
+    rows = []
+    for r in d.routing:
+        rows.append([r["model"], r["text"], f"{r['correlation']:.3f}", f"{r['batch_correlation']:.3f}",
+                     str(r["threshold_uniform"]), str(r["threshold_corrected"])])
+    blocks.append(("table", ["model", "tokens from", "c (one sequence)", "c (across sequences)",
+                             "T_thres uniform", "T_thres corrected"], rows))
+    return blocks + _figure(figures, "routing", "Unique experts per layer, measured against uniform N(t).")
+
+
+def _fit(d: Digest, figures) -> list:
+    if not d.fits:
+        return []
+    blocks = [("h2", "The fitted MoESD model")]
+    for f in d.fits:
+        w = f["worst_point"]
+        blocks.append(("p", f"{f['model']}: held-out MAPE **{pct(f['heldout_mape'])}** over "
+                       f"{len(f['heldout_points'])} points, fitted on {len(f['train_points'])}; worst "
+                       f"B={w['batch']} t={w['tokens']} at {w['error']:+.1%}. Ridge from the {f['ridge_source']}; "
+                       f"verify forward of {f['verify_tokens']} tokens."))
+        rows = [[k, f"{v:.4g}"] for k, v in f["params"].items()] + [["k_kv", f"{f['k_kv']:.4g}"]]
+        blocks.append(("table", ["parameter", "value"], rows))
+    blocks += _figure(figures, "fit", "Fitted model against measurement (x: held out).")
+    blocks += _figure(figures, "speedup", "Predicted speedup against batch; dotted lines mark "
+                      "B*gamma = T_thres; shading: the gamma=4 window within peak/sqrt(2).")
+    return blocks
+
+
+def _questions(d: Digest) -> list:
+    blocks = [("h2", "Answers")]
+    items = []
+    moe = [m for m in d.models if m.experts and m.points]
+    dense = [m for m in d.models if not m.experts and m.points]
+    if moe:
+        m = moe[0]
+        b = max(m.batches)
+        bs, es = m.efficiency_curve(VERIFY_WINDOW)
+        if bs:
+            effs = dict(zip(bs, es))
+            line = (f"1. Two-factor shape: for {m.name} at the largest measured batch B={b}, verifying "
+                    f"{VERIFY_WINDOW} tokens costs {1 / effs[max(bs)]:.2f}x a plain step")
+            if dense and dense[0].efficiency_curve(VERIFY_WINDOW)[0]:
+                dbs, des = dense[0].efficiency_curve(VERIFY_WINDOW)
+                line += f", against {1 / des[-1]:.2f}x for the dense {dense[0].name} at B={dbs[-1]}"
+            fit = next((f for f in d.fits if f["model"] == m.name), None)
+            if fit:
+                eff = {p["batch"]: p["target_efficiency"] for p in fit["predictions"]
+                       if p["gamma"] == VERIFY_WINDOW and p["alpha"] == TYPICAL_ALPHA}
+                line += ("; the fit predicts target efficiency " +
+                         ", ".join(f"{eff[bb]:.2f} at B={bb}" for bb in (8, 16, 32) if bb in eff))
+            items.append(line + " (figures: ratio, efficiency).")
+    for r in d.routing:
+        saturated = [s for s in r["saturation"] if s["saturated"] and s["gamma"] == VERIFY_WINDOW]
+        first = min((s["batch"] for s in saturated), default=None)
+        where = (f"from B={first} agents (gamma={VERIFY_WINDOW}) the verify window saturates the experts"
+                 if first else f"no measured batch saturates the experts at gamma={VERIFY_WINDOW}")
+        items.append(f"2. Multi-agent saturation for {r['model']}: with correlation c={r['correlation']:.2f} "
+                     f"the threshold rises from {r['threshold_uniform']} to {r['threshold_corrected']} "
+                     f"tokens; {where} (figure: routing).")
+    if d.roofline:
+        roof = d.roofline
+        items.append(f"3. Ridge point: {roof['ridge_flop_per_byte']:.1f} FLOP/byte, so a 4-bit model turns "
+                     f"compute-bound at about {roof['ridge_tokens']['4bit']:.1f} tokens per forward "
+                     "(figure: roofline).")
+    return blocks + [("list", items)] if items else []
+
+
+def _spec(d: Digest) -> list:
+    if not d.spec:
+        return []
+    blocks = [("h2", "Measured speculative decoding")]
+    for s in d.spec:
+        rows = []
+        for r in s["runs"]:
+            pred = "-" if r["predicted_speedup"] is None else f2(r["predicted_speedup"])
+            rows.append([str(r["batch"]), str(r["gamma"]), f"{r['alpha']:.2f}", r["mode"],
+                         f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
+                         f2(r["measured_speedup"]), pred])
+        blocks.append(("p", f"{s['target']} with drafter {s['draft']}, context {s['context']}, "
+                       f"{s['new_tokens']} tokens per sequence, median of {s['runs'][0]['repeats']} runs; "
+                       f"verify forward of {s['verify_tokens']} tokens."))
+        blocks.append(("table", ["B", "gamma", "alpha", "mode", "plain tok/s", "SD tok/s",
+                                 "measured S", "predicted S"], rows))
+    return blocks
+
+
+def _method(d: Digest) -> list:
+    rows = []
+    for m in d.models:
+        med, worst, repeats = m.cv_stats()
+        drift = [e.get("drift") for e in m.entries if e.get("drift")]
+        flagged = any(x["flagged"] for x in drift)
+        layers = "/".join(str(e["layers"]) for e in m.entries)
+        rows.append([m.name, m.weight_format, str(m.full["context"]), f"{layers} of {m.full['layers_full']}"
+                     + (" (extrapolated)" if m.extrapolated else ""), str(repeats), pct(med), pct(worst),
+                     ("FLAGGED " if flagged else "ok ") + ", ".join(f"{x['change']:+.1%}" for x in drift)])
+    blocks = [("h2", "Method"),
+              ("p", "Each point: warm-up, then rounds in shuffled order until the median's 95% CI is "
+                    "within 1% or the time budget ends; every call forced with mx.eval on logits and "
+                    "KV cache; cache rolled back and checked after each call; the first point "
+                    "re-measured at the end to detect drift (flagged above 3%). Modes of measured SD "
+                    "runs are labelled (emulated acceptance is drawn, not produced by a drafter).")]
+    if rows:
+        blocks.append(("table", ["model", "format", "context", "layers measured", "repeats",
+                                 "median CV", "worst CV", "drift"], rows))
+    return blocks
+
+
+def _figure(figures: dict, name: str, caption: str) -> list:
+    return [("figure", name, caption)] if name in figures else []
+
+
+def build_blocks(data: dict, figures: dict[str, Path]) -> list:
+    d = Digest(data)
+    return (_title(d) + _verdict(d) + _questions(d) + _roofline(d, figures) + _shape(d, figures)
+            + _routing(d, figures) + _fit(d, figures) + _spec(d) + _method(d))
+
+
+# ---- renderings ----
+
+
+def to_markdown(blocks: list) -> str:
+    out = []
+    for block in blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            out.append("#" * int(kind[1]) + " " + block[1])
+        elif kind == "p":
+            out.append(block[1])
+        elif kind == "note":
+            out.append("> " + block[1])
+        elif kind == "list":
+            out.append("\n".join(block[1]))
+        elif kind == "table":
+            headers, rows = block[1], block[2]
+            lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+            lines += ["| " + " | ".join(r) + " |" for r in rows]
+            out.append("\n".join(lines))
+        elif kind == "figure":
+            out.append(f"![{block[2]}](figures/{block[1]}.png)\n\n*{block[2]}*")
+    return "\n\n".join(out) + "\n"
+
+
+def _inline(text: str) -> str:
+    escaped = html.escape(text)
+    parts = escaped.split("**")
+    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+
+CSS = ("body{font-family:-apple-system,Helvetica,Arial,sans-serif;max-width:980px;margin:2em auto;"
+       "padding:0 1em;color:#222}table{border-collapse:collapse;margin:1em 0;font-size:14px}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}"
+       "img{max-width:100%}.note{background:#fff6d5;padding:.6em 1em;border-left:4px solid #e0b000}"
+       "figcaption{font-style:italic;font-size:13px;color:#555}")
+
+
+def to_html(blocks: list, figures: dict[str, Path]) -> str:
+    body = []
+    for block in blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            body.append(f"<{kind}>{_inline(block[1])}</{kind}>")
+        elif kind == "p":
+            body.append(f"<p>{_inline(block[1])}</p>")
+        elif kind == "note":
+            body.append(f"<p class='note'>{_inline(block[1])}</p>")
+        elif kind == "list":
+            body.append("<ol>" + "".join(f"<li>{_inline(i.split('. ', 1)[1])}</li>" for i in block[1]) + "</ol>")
+        elif kind == "table":
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
+            rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in block[2])
+            body.append(f"<table><tr>{head}</tr>{rows}</table>")
+        elif kind == "figure":
+            data = base64.b64encode(figures[block[1]].read_bytes()).decode()
+            body.append(f"<figure><img alt='{html.escape(block[2])}' src='data:image/png;base64,{data}'>"
+                        f"<figcaption>{html.escape(block[2])}</figcaption></figure>")
+    title = html.escape(blocks[0][1]) if blocks else "mac-moesd report"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>"
+            f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def sweep_csv(data: dict) -> str:
+    lines = ["model,dtype,bits,context,layers,layers_full,batch,tokens,median_s,iqr_s,cv,repeats"]
+    for e in data.get("sweeps", {}).values():
+        for key, m in sorted(e["points"].items()):
+            b, t = key.split("x")
+            lines.append(f"{e['model']},{e['dtype']},{e['bits'] or ''},{e['context']},{e['layers']},"
+                         f"{e['layers_full']},{b},{t},{m['median_s']!r},{m['iqr_s']!r},{m['cv']!r},{m['repeats']}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(data: dict, folder: Path) -> dict[str, Path]:
+    """Write report.md, report.html, figures/*.png and sweep.csv into ``folder`` atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=folder))
+    try:
+        figures = plots.draw_all(Digest(data), staging / "figures")
+        blocks = build_blocks(data, figures)
+        (staging / "report.md").write_text(to_markdown(blocks))
+        (staging / "report.html").write_text(to_html(blocks, figures))
+        (staging / "sweep.csv").write_text(sweep_csv(data))
+        if (folder / "figures").exists():
+            shutil.rmtree(folder / "figures")
+        (staging / "figures").rename(folder / "figures")
+        for name in ("report.md", "report.html", "sweep.csv"):
+            (staging / name).replace(folder / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"markdown": folder / "report.md", "html": folder / "report.html",
+            "figures": folder / "figures", "csv": folder / "sweep.csv"}
+

@@ -1,0 +1,137 @@
+"""`mac-moesd run`: every stage for the default models, resumable, ending in the report.
+
+Stages: roofline, sweeps (each target with the drafter's T_D, and the dense control), routing of
+each MoE, the fit, measured SD on the sparser MoE, and the report. Finished stages are kept in
+results.json and skipped on a rerun; a sweep resumes point by point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from mac_moesd import fit, roofline, routing, spec, sweep, timing
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.results import ResultsStore
+
+__all__ = ["Plan", "default_plan", "run_all"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    moe: tuple[str, ...]  # sparse first
+    dense: str
+    draft: str
+    batches: tuple[int, ...]
+    tokens: tuple[int, ...]
+    context: int
+    bits: int | None
+    budget: timing.Budget
+    roofline: roofline.RooflineConfig
+    spec_batches: tuple[int, ...]
+    spec_gammas: tuple[int, ...]
+    spec_tokens: int
+    spec_repeats: int
+    routing_batches: tuple[int, ...]
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return (*self.moe, self.dense)
+
+
+def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
+    """On a GPU the zoo's real dimensions at 4-bit (sliced to fit); on MLX's CPU backend the
+    CI-sized models, since a real-dimension forward there takes seconds."""
+    if backend == "cpu":
+        return Plan(
+            moe=("tiny-moe", "tiny-moe-8x2"), dense="tiny-dense", draft="tiny-draft",
+            batches=(1, 2, 4, 8), tokens=(1, 2, 3, 4, 6, 8), context=64, bits=None,
+            budget=timing.QUICK if quick else timing.Budget(seconds_per_point=1.0),
+            roofline=roofline.QUICK if quick else roofline.RooflineConfig(sizes=roofline.QUICK.sizes + (512 * roofline.MiB,)),
+            spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
+            spec_repeats=3 if quick else 5, routing_batches=(1, 2, 4, 8, 16, 32),
+        )
+    moe = ("qwen1.5-moe-a2.7b", "mixtral-8x7b")
+    if full:
+        moe = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b", "deepseek-v2-lite", "mixtral-8x7b")
+    return Plan(
+        moe=moe, dense="qwen2.5-3b", draft="qwen2-0.5b",
+        batches=(1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32),
+        tokens=(1, 2, 3, 4, 6, 8), context=512, bits=4,
+        budget=timing.QUICK if quick else timing.Budget(),
+        roofline=roofline.QUICK if quick else roofline.RooflineConfig(),
+        spec_batches=(1, 2, 4, 8), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
+        spec_repeats=3 if quick else 5, routing_batches=(1, 2, 4, 8, 16, 32),
+    )
+
+
+def with_models(plan: Plan, names: tuple[str, ...]) -> Plan:
+    """Replace the default targets: MoE models in the given order, the first dense one as control."""
+    from mac_moesd import models, zoo
+
+    moe, dense = [], []
+    for name in names:
+        (moe if zoo.expert_shape(models.resolve(name).config) else dense).append(name)
+    if not moe:
+        raise BadInput("--models needs at least one MoE model")
+    return replace(plan, moe=tuple(moe), dense=dense[0] if dense else plan.dense)
+
+
+Stage = Callable[[str], None]
+
+
+def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
+            stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None) -> None:
+    """Measure every missing stage into ``store`` (each saved as soon as it is done)."""
+    data = store.data
+    stage("roofline")
+    if "roofline" not in data:
+        roofline.validate(plan.roofline, machine.available_bytes)
+        data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
+        store.save()
+
+    class _Progress(sweep.Progress):
+        def advance(self, label: str) -> None:
+            advance(label)
+
+    for name in plan.models:
+        stage(f"sweep {name}")
+        cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens,
+                                context=plan.context, bits=plan.bits, budget=plan.budget,
+                                draft=plan.draft if name in plan.moe else None)
+        sweep.run_sweep(cfg, store, machine.available_bytes, _Progress())
+
+    for name in plan.moe:
+        stage(f"routing {name}")
+        if not any(k.startswith(f"{name}|") for k in data.get("routing", {})):
+            cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
+            try:
+                document = routing.run_routing(cfg, machine.available_bytes)
+            except MacMoesdError as err:  # the report says what is missing and why
+                skipped(store, f"routing {name}", err)
+            else:
+                store.put("routing", f"{document['model']}|{document['text']}", document)
+
+    stage("fit")
+    for name in plan.moe:
+        inputs = fit.inputs_from_results(data, name)
+        data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
+    store.save()
+
+    target = plan.moe[0]
+    stage(f"spec {target}")
+    key = f"{target}|{plan.draft}|emulated-acceptance"
+    if key not in data.get("spec", {}):
+        cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
+                              gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
+                              new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, bits=plan.bits)
+        try:
+            document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]))
+        except MacMoesdError as err:
+            skipped(store, f"spec {target}", err)
+        else:
+            store.put("spec", key, document)
+
+
+def skipped(store: ResultsStore, what: str, err: Exception) -> None:
+    store.put("skipped", what, str(err))
