@@ -12,7 +12,7 @@ import click
 
 from mac_moesd import __version__, blas, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_fit, render_info, render_roofline, render_routing, render_spec, render_sweep, render_theory, render_zoo
+from mac_moesd.formatting import render_compare, render_fit, render_info, render_roofline, render_routing, render_spec, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -450,6 +450,25 @@ def report_command(folder) -> None:
     paths = report.write_report(data, folder)
     click.echo(f"report: {paths['markdown']}")
     click.echo(f"        {paths['html']}")
+
+
+@cli.command(name="compare")
+@click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--reference", is_flag=True,
+              help="Add datacenter GPUs from their published specs (labelled as not measured).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports/compare"),
+              show_default=True, help="Where the overlay figures go.")
+@json_option
+def compare_command(folders, reference, out, as_json) -> None:
+    """Several chips' results side by side: bandwidth, FLOPS, ridge, batch-1 speedup."""
+    from mac_moesd import compare
+
+    document = compare.compare(list(folders), reference)
+    figures = compare.draw(document, out)
+    document["figures"] = {k: str(v) for k, v in figures.items()}
+    for row in document["machines"]:
+        row.pop("curves")
+    emit(document, as_json, render_compare)
 
 
 def main() -> None:

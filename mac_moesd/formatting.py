@@ -286,3 +286,22 @@ def render_spec(doc: dict) -> str:
             f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs")
     return head + "\n" + table(["B", "gamma", "alpha", "mode", "plain tok/s", "SD tok/s",
                                 "measured S", "predicted S", "pred/meas"], rows)
+
+
+def render_compare(doc: dict) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    headers = ["machine", "backend", "source", "GB/s", "TFLOPS", "ridge FLOP/B",
+               *[f"{m} S(1)" for m in doc["models"]]]
+    rows = []
+    for r in doc["machines"]:
+        cells = [r["chip"], r["backend"], "measured" if r["measured"] else "published spec",
+                 num(r["bandwidth_gbs"], ".1f"), num(r["tflops"], ".3g"), num(r["ridge_flop_per_byte"], ".1f")]
+        for m in doc["models"]:
+            s = r["speedup_batch1"].get(m)
+            cells.append(f"{s['speedup']:.2f} (gamma={s['gamma']})" if s else "-")
+        rows.append(cells)
+    note = (f"S(1): predicted SD speedup at batch 1 for the best gamma, alpha={doc['alpha']}. "
+            "Figures: " + ", ".join(doc["figures"].values()))
+    return table(headers, rows) + "\n" + note

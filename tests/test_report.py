@@ -1,0 +1,164 @@
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mac_moesd import compare, report, routing, timing
+from mac_moesd import run as runner
+from mac_moesd.cli import cli
+from mac_moesd.results import ResultsStore
+
+FIXTURE = Path(__file__).parent / "data" / "results_quick_cpu.json"
+SECTIONS = ["## Verdict: is speculative decoding worth it here?", "## Answers", "## Roofline",
+            "## Two-factor shape: what a t-token forward costs", "## Activated experts",
+            "## The fitted MoESD model", "## Measured speculative decoding", "## Method"]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    data = json.loads(FIXTURE.read_text())
+    folder = tmp_path_factory.mktemp("report")
+    paths = report.write_report(data, folder)
+    return data, folder, paths
+
+
+def test_every_section_and_figure_present(written):
+    data, folder, paths = written
+    md = paths["markdown"].read_text()
+    for section in SECTIONS:
+        assert section in md
+    for name in ("roofline", "ratio", "efficiency", "routing", "fit", "speedup"):
+        assert (folder / "figures" / f"{name}.png").stat().st_size > 10_000
+        assert f"figures/{name}.png" in md
+    assert "not an Apple-silicon GPU" in md  # the CPU backend is labelled as such
+    csv = paths["csv"].read_text().splitlines()
+    assert csv[0].startswith("model,dtype,bits,context")
+    assert len(csv) - 1 == sum(len(e["points"]) for e in data["sweeps"].values())
+
+
+def test_numbers_in_the_text_are_those_of_the_results(written):
+    data, _, paths = written
+    md = paths["markdown"].read_text()
+    roof = data["roofline"]
+    assert f"Ridge point: **{roof['ridge_flop_per_byte']:.1f} FLOP/byte**" in md
+    for fit in data["fits"].values():
+        assert f"held-out MAPE **{fit['heldout_mape']:.1%}**" in md
+        best = max((p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == 0.7),
+                   key=lambda p: p["speedup"])
+        assert f"best gamma = {best['gamma']} with a predicted speedup of {best['speedup']:.2f}" in md
+    for r in data["routing"].values():
+        row = f"| {r['model']} | {r['text']} | {r['correlation']:.3f} | {r['batch_correlation']:.3f} | " \
+              f"{r['threshold_uniform']} | {r['threshold_corrected']} |"
+        assert row in md
+    for s in data["spec"].values():
+        for run in s["runs"]:
+            assert f"| {run['measured_speedup']:.2f} |" in md
+
+
+def test_html_is_self_contained(written):
+    _, _, paths = written
+    page = paths["html"].read_text()
+    assert page.count("data:image/png;base64,") == 6
+    assert not re.search(r"""(src|href)=['"]https?://""", page)
+    assert "<h2>Roofline</h2>" in page
+
+
+def test_partial_results_are_labelled_incomplete(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    del data["routing"], data["fits"]
+    md = report.write_report(data, tmp_path)["markdown"].read_text()
+    assert "INCOMPLETE: no routing, fits" in md
+
+
+def test_cli_report_from_a_folder(tmp_path):
+    shutil.copy(FIXTURE, tmp_path / "results.json")
+    result = CliRunner().invoke(cli, ["report", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "report.html").exists()
+
+
+DEFAULT_PLAN = runner.default_plan
+
+
+def tiny_plan():
+    plan = DEFAULT_PLAN("cpu", quick=True)
+    budget = timing.Budget(warmup=1, min_repeats=3, max_repeats=3, seconds_per_point=0.01, per_visit=1)
+    from dataclasses import replace
+
+    from mac_moesd import roofline
+
+    return replace(plan, moe=("tiny-moe",), batches=(1, 2, 4), tokens=(1, 2, 3, 4), context=16,
+                   budget=budget, spec_batches=(1, 2), spec_gammas=(2,), spec_tokens=4, spec_repeats=1,
+                   routing_batches=(1, 2, 4),
+                   roofline=roofline.RooflineConfig(sizes=(64 * 1024,), gemv_bytes=2**20, matmul_n=64,
+                                                    qmm_shape=(128, 128), qmm_tokens=(1, 2, 4),
+                                                    plateau_from=64 * 1024, budget=budget))
+
+
+class Machine:
+    backend = "cpu"
+    available_bytes = None
+
+
+def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
+    store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu",
+                                                      "versions": {}, "blas": {}})
+    plan = tiny_plan()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(routing, "run_routing", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_all(plan, store, Machine(), None)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert "roofline" in saved and len(saved["sweeps"]) == 2 and "fits" not in saved
+    assert not (tmp_path / "report.md").exists()
+    monkeypatch.undo()
+    stages = []
+    store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu",
+                                                      "versions": {}, "blas": {}})
+    runner.run_all(plan, store, Machine(), None, stage=stages.append)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["roofline"] == saved["roofline"]  # the finished stage was kept, not re-measured
+    assert {"routing", "fits", "spec"} <= set(data)
+    assert stages == ["roofline", "sweep tiny-moe", "sweep tiny-dense", "routing tiny-moe", "fit",
+                      "spec tiny-moe"]
+    paths = report.write_report(data, tmp_path)
+    assert "## Verdict" in paths["markdown"].read_text()
+
+
+def test_cli_run_writes_the_chip_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    for name in ("results.json", "report.md", "report.html", "sweep.csv", "figures"):
+        assert (folder / name).exists()
+    assert "report: " in result.stdout
+
+
+def test_compare_two_folders_and_reference_rows(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        shutil.copy(FIXTURE, tmp_path / name / "results.json")
+    result = CliRunner().invoke(cli, ["compare", str(tmp_path / "a"), str(tmp_path / "b"),
+                                      "--reference", "--out", str(tmp_path / "cmp"), "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [m["measured"] for m in doc["machines"]] == [True, True, False, False]
+    h100 = doc["machines"][2]
+    assert h100["ridge_flop_per_byte"] == pytest.approx(989e12 / 3350e9)
+    assert "tiny-moe" in doc["models"]
+    assert (tmp_path / "cmp" / "compare_ridge.png").exists()
+
+
+def test_compare_rejects_an_older_schema(tmp_path):
+    (tmp_path / "results.json").write_text('{"schema": "mac-moesd/0", "meta": {}}')
+    result = CliRunner().invoke(cli, ["compare", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "schema 'mac-moesd/0'" in result.stderr
+    assert compare.REFERENCE_GPUS[0]["chip"].startswith("NVIDIA")
