@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -140,6 +141,8 @@ def fit_scatter(d: Digest, folder: Path) -> Path | None:
         ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # minor labels of a narrow log range overlap
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("measured T_T (ms)")
         ax.set_ylabel("fitted model (ms)")
         ax.set_title("MoESD time model: predicted against measured", fontsize=10)
