@@ -6,6 +6,7 @@
   Its modes: ``real`` (greedy acceptance of the drafter's tokens), ``self-draft`` (draft = target,
   everything accepted) and ``emulated-acceptance`` (each draft token accepted with probability
   alpha, drawn here, so the system cost of SD at any alpha is measured on random-weight models).
+  Plain and speculative runs alternate, and the speedup is the median of per-pair ratios.
   Sequences of a batch accept different counts; the caches are rolled back to the batch's
   shortest accepted prefix (lengths then differ by at most gamma tokens from the ideal, which
   does not change the cost of a step), while each sequence is credited its own accepted tokens.
@@ -124,22 +125,42 @@ class Decoder:
         return int(produced.sum()), drafted, accepted_total
 
 
-def _timed(fn, repeats: int, reset) -> tuple[list[float], object]:
-    fn()  # warm-up: compile every shape once
+def paired(plain, speculative, repeats: int, reset) -> tuple[list[float], list[float], object]:
+    """Alternate plain and speculative runs (after one warm-up of each, which compiles every
+    shape), so drift and background load hit both alike. Returns both lists of times and the
+    last speculative result."""
+    plain()
     reset()
-    times, last = [], None
+    speculative()
+    reset()
+    plain_times, spec_times, last = [], [], None
     for _ in range(repeats):
         start = time.perf_counter()
-        last = fn()
-        times.append(time.perf_counter() - start)
+        plain()
+        plain_times.append(time.perf_counter() - start)
         reset()
-    return times, last
+        start = time.perf_counter()
+        last = speculative()
+        spec_times.append(time.perf_counter() - start)
+        reset()
+    return plain_times, spec_times, last
 
 
-def _rate(tokens: int, times: list[float]) -> tuple[float, float]:
-    rates = [tokens / t for t in times]
-    spread = statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
-    return statistics.median(rates), spread
+def summarise_pairs(plain_tokens: int, plain_times, spec_tokens: int, spec_times) -> dict:
+    """Median tokens/s both ways, their CVs, and the median of the per-pair speedups."""
+    plain_rates = [plain_tokens / t for t in plain_times]
+    spec_rates = [spec_tokens / t for t in spec_times]
+
+    def cv(rates):
+        return statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
+
+    return {
+        "tokens_per_s_plain": statistics.median(plain_rates),
+        "tokens_per_s_sd": statistics.median(spec_rates),
+        "cv_plain": cv(plain_rates),
+        "cv_sd": cv(spec_rates),
+        "measured_speedup": statistics.median(s / p for s, p in zip(spec_rates, plain_rates)),
+    }
 
 
 def mlx_lm_batch1(target, draft, context, new_tokens, gamma, repeats, vocab, rng) -> dict:
@@ -150,16 +171,12 @@ def mlx_lm_batch1(target, draft, context, new_tokens, gamma, repeats, vocab, rng
         return sum(1 for _ in generate_step(prompt, target, max_tokens=new_tokens))
 
     def spec():
-        drafted = sum(int(d) for _, _, d in speculative_generate_step(
+        return sum(int(d) for _, _, d in speculative_generate_step(
             prompt, target, draft, num_draft_tokens=gamma, max_tokens=new_tokens))
-        return drafted
 
-    plain_times, _ = _timed(plain, repeats, lambda: None)
-    spec_times, from_draft = _timed(spec, repeats, lambda: None)
-    tps_plain, cv_plain = _rate(new_tokens, plain_times)
-    tps_sd, cv_sd = _rate(new_tokens, spec_times)
-    return {"tokens_per_s_plain": tps_plain, "tokens_per_s_sd": tps_sd, "cv_plain": cv_plain,
-            "cv_sd": cv_sd, "acceptance": from_draft / new_tokens, "engine": "mlx-lm"}
+    plain_times, spec_times, from_draft = paired(plain, spec, repeats, lambda: None)
+    row = summarise_pairs(new_tokens, plain_times, new_tokens, spec_times)
+    return {**row, "acceptance": from_draft / new_tokens, "engine": "mlx-lm"}
 
 
 def run_spec(cfg: SpecConfig, predictor=None) -> dict:
@@ -183,9 +200,6 @@ def run_spec(cfg: SpecConfig, predictor=None) -> dict:
     runs = []
     for batch in cfg.batches:
         decoder = Decoder(target.model, draft.model, batch, cfg.context, vocab, rng)
-        steps = cfg.new_tokens
-        plain_times, _ = _timed(lambda: decoder.plain(steps), cfg.repeats, decoder.reset)
-        tps_plain, cv_plain = _rate(steps * batch, plain_times)
         for gamma in cfg.gammas:
             for alpha in alphas:
                 if batch == 1 and cfg.mode == "real":
@@ -193,19 +207,18 @@ def run_spec(cfg: SpecConfig, predictor=None) -> dict:
                                         cfg.repeats, vocab, rng)
                     measured_alpha = row.pop("acceptance")
                 else:
-                    times, (tokens, drafted, accepted) = _timed(
+                    plain_times, spec_times, (tokens, drafted, accepted) = paired(
+                        lambda: decoder.plain(cfg.new_tokens),
                         lambda: decoder.speculative(cfg.new_tokens, gamma, cfg.mode, alpha),
                         cfg.repeats, decoder.reset)
-                    tps_sd, cv_sd = _rate(tokens, times)
-                    row = {"tokens_per_s_plain": tps_plain, "tokens_per_s_sd": tps_sd,
-                           "cv_plain": cv_plain, "cv_sd": cv_sd, "engine": "mac-moesd loop"}
+                    row = summarise_pairs(cfg.new_tokens * batch, plain_times, tokens, spec_times)
+                    row["engine"] = "mac-moesd loop"
                     measured_alpha = accepted / drafted
                 effective = alpha if alpha is not None else min(max(measured_alpha, 1e-6), 1.0)
                 predicted = predictor(batch, gamma, effective, cfg.mode == "self-draft") if predictor else None
                 runs.append({
                     "batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
                     "measured_acceptance": measured_alpha,
-                    "measured_speedup": row["tokens_per_s_sd"] / row["tokens_per_s_plain"],
                     "predicted_speedup": predicted, "repeats": cfg.repeats, **row,
                 })
         del decoder
