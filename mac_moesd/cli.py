@@ -55,8 +55,9 @@ class Cli(click.Group):
             sys.exit(2)
         except click.exceptions.Exit as err:
             sys.exit(err.exit_code)
-        except click.Abort:
-            click.echo("Aborted.", err=True)
+        except click.Abort:  # Ctrl-C, as click reports it
+            click.echo("Interrupted; results written so far are kept: rerun the same command to resume.",
+                       err=True)
             sys.exit(130)
         except click.ClickException as err:
             click.echo(f"Error: {err.format_message()}", err=True)
@@ -65,7 +66,8 @@ class Cli(click.Group):
             click.echo(f"Error: {err}", err=True)
             sys.exit(2 if isinstance(err, BadInput) else 1)
         except KeyboardInterrupt:
-            click.echo("Interrupted; results written so far are kept.", err=True)
+            click.echo("Interrupted; results written so far are kept: rerun the same command to resume.",
+                       err=True)
             sys.exit(130)
 
 
