@@ -164,6 +164,12 @@ def render_sweep(doc: dict) -> str:
         steps = ", ".join(f"B={p['batch']}: {seconds(p['median_s'])}" for p in r["points"])
         lines += [f"rejection sampling T_rej(B), gamma={r['gamma']}, V={r['vocab']}: {steps}"]
     for s in doc["slices"]:
+        pipe = s.get("pipelined")
+        sync = points.get((pipe["batch"], 1)) if pipe else None
+        if pipe and sync and not doc["extrapolated"]:
+            lines.append(f"pipelined decode at B={pipe['batch']} (next graph built while one runs, as "
+                         f"mlx-lm generates): {seconds(pipe['median_s'])} per step against "
+                         f"{seconds(sync['median_s'])} synchronous")
         if s["drift"]:
             d = s["drift"]
             state = "FLAGGED" if d["flagged"] else "ok"

@@ -9,6 +9,7 @@ Models too big for memory are measured on slices of N and 2N layers and extrapol
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -202,6 +203,38 @@ def measure_grid(
         del cache, points
 
 
+PIPELINED_STEPS = 16
+
+
+def pipelined_decode(built: models.Built, batch: int, context: int, steps: int = PIPELINED_STEPS,
+                     repeats: int = 3) -> dict:
+    """Seconds per greedy decode step when the next step's graph is built while the current one
+    runs (``mx.async_eval``, as mlx-lm's generate loop does): what plain decode achieves, where the
+    synchronous T_T(B,1) also pays for building each graph. Median over ``repeats`` runs."""
+    vocab = built.config["vocab_size"]
+    cache = RolledBackCache(built.model, batch, context, vocab)
+
+    def run() -> float:
+        y = mx.random.randint(0, vocab, (batch, 1))
+        mx.eval(y)
+        start = time.perf_counter()
+        nxt = mx.argmax(built.model(y, cache=cache.cache)[:, -1:], axis=-1)
+        mx.async_eval(nxt)
+        for _ in range(steps - 1):
+            y, nxt = nxt, mx.argmax(built.model(nxt, cache=cache.cache)[:, -1:], axis=-1)
+            mx.async_eval(nxt)
+            mx.eval(y)
+        mx.eval(nxt, cache.state())
+        elapsed = time.perf_counter() - start
+        cache.rollback(steps)
+        return elapsed / steps
+
+    run()  # warm-up
+    values = sorted(run() for _ in range(repeats))
+    return {"batch": batch, "steps": steps, "repeats": repeats, "median_s": values[len(values) // 2],
+            "min_s": values[0], "max_s": values[-1]}
+
+
 def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng) -> dict | None:
     """Re-measure the first point after the grid; compare with its first measurement."""
     key = point_key(cfg.batches[0], cfg.tokens[0])
@@ -267,6 +300,8 @@ def run_sweep(
         built.materialise()
         measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng)
         entry["drift"] = measure_drift(built, cfg, entry, rng)
+        if "pipelined" not in entry:
+            entry["pipelined"] = pipelined_decode(built, cfg.batches[0], cfg.context)
         store.save()
         entries.append(entry)
         del built
@@ -382,7 +417,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
         "footprint": footprint_full.to_dict(),
         "slices": [
             {"layers": e["layers"], "points": points_list({k: v for k, v in e["points"].items() if k in wanted}),
-             "drift": e.get("drift")}
+             "drift": e.get("drift"), "pipelined": e.get("pipelined")}
             for e in entries
         ],
         "warnings": warnings,

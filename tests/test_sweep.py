@@ -149,3 +149,17 @@ def test_footprint_of_real_dimensions():
     assert fp.bytes_per_expert == pytest.approx(fp.bytes_expert / 128)
     dense = models.build(models.resolve("qwen3-4b"), dtype="float16").footprint
     assert dense.params_expert == 0 and dense.experts is None
+
+
+def test_pipelined_decode_restores_the_cache(config_dir):
+    built = models.build(models.resolve(str(config_dir(zoo.miniature(zoo.by_name("tiny-moe").config)))))
+    built.materialise()
+    result = sweep.pipelined_decode(built, batch=2, context=12, steps=4, repeats=3)
+    assert result["batch"] == 2 and result["steps"] == 4
+    assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"]
+
+
+def test_sweep_records_pipelined_decode_for_the_first_batch(tmp_path):
+    cfg = sweep.SweepConfig(model="tiny-dense", batches=(2, 1), tokens=(1,), context=8, budget=TINY_BUDGET)
+    doc = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
+    assert doc["slices"][0]["pipelined"]["batch"] == 2
