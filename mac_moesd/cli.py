@@ -190,8 +190,9 @@ class ProgressBar:
             self.bar = None
 
 
-def open_store(out: Path | None):
-    """The machine, the run's metadata and the results store in ``out`` (or the default)."""
+def open_store(out: Path | None, per_chip: bool = False):
+    """The machine, the run's metadata and the results store in ``out`` (default
+    reports/<chip-slug>; with ``per_chip``, ``out``/<chip-slug>)."""
     from mac_moesd import hardware, metadata
     from mac_moesd.results import ResultsStore
 
@@ -199,7 +200,7 @@ def open_store(out: Path | None):
     meta = metadata.collect(machine)
     if meta["blas"]["warning"]:
         warn(meta["blas"]["warning"])
-    folder = out or Path("reports") / machine.slug
+    folder = (out or Path("reports")) / machine.slug if per_chip or out is None else out
     return machine, meta, ResultsStore(folder / "results.json", meta)
 
 
@@ -403,7 +404,7 @@ def run_command(quick, full, models, out) -> None:
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")
-    machine, meta, store = open_store(out / hardware_slug())
+    machine, meta, store = open_store(out, per_chip=True)
     plan = runner.default_plan(machine.backend, quick, full)
     if models:
         plan = runner.with_models(plan, tuple(m.strip() for m in models.split(",") if m.strip()))
