@@ -99,29 +99,28 @@ class Decoder:
                 draft_logits.append(logits)
             drafts_arr = mx.concatenate(drafts, axis=1)
             verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
+            greedy = mx.argmax(verify, axis=-1)  # (B, gamma+1): the target's token at every position
+            # One synchronisation per round: everything the acceptance decision needs.
             if mode == "emulated-acceptance":
                 # Pay for rejection sampling, then accept with the chosen alpha.
                 counts, _ = rejection_sample(verify, mx.concatenate(draft_logits, axis=1), drafts_arr)
-                mx.eval(counts, verify)
+                mx.eval(counts, greedy)
                 draws = self.rng.random((self.batch, gamma)) < alpha
                 accepted = np.cumprod(draws, axis=1).sum(axis=1)
             else:
-                greedy = mx.argmax(verify[:, :gamma], axis=-1)
-                mx.eval(greedy, verify)
-                matches = np.array(greedy == drafts_arr)
+                mx.eval(greedy, drafts_arr)
+                matches = np.array(greedy[:, :gamma]) == np.array(drafts_arr)
                 accepted = np.cumprod(matches, axis=1).sum(axis=1)
             shared = int(accepted.min())
-            nxt = mx.argmax(verify[:, shared : shared + 1], axis=-1)
             trim_prompt_cache(self.target_cache, gamma - shared)
             if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
-                mx.eval(self.draft(drafts[-1], cache=self.draft_cache))
+                self.draft(drafts[-1], cache=self.draft_cache)
             else:
                 trim_prompt_cache(self.draft_cache, gamma - 1 - shared)
             produced += accepted + 1
             drafted += gamma * self.batch
             accepted_total += int(accepted.sum())
-            y = nxt
-            mx.eval(y)
+            y = greedy[:, shared : shared + 1]
         return int(produced.sum()), drafted, accepted_total
 
 
