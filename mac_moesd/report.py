@@ -79,7 +79,8 @@ def _verdict(d: Digest) -> list:
                 f"with a predicted speedup of {f2(best['speedup'])}. For that gamma SD peaks at batch "
                 f"{peak['peak_batch']} ({f2(peak['peak_speedup'])}), within peak/sqrt(2) for batches "
                 f"{peak['window'][0]}-{peak['window'][1]}. A batch-1 step routes 1 token "
-                f"({fit['top_k']} of {fit['experts']} experts); a verify window of {best['gamma']} tokens "
+                f"({fit['top_k']} of {fit['experts']} experts); a verify window of {best['gamma']} "
+                f"token{'s' if best['gamma'] != 1 else ''} "
                 f"activates {theory.activated_experts(best['gamma'], fit['experts'], fit['top_k']):.1f} "
                 f"experts under uniform routing, against a saturation threshold of {threshold} tokens.")
         model = d.model(fit["model"])
