@@ -54,7 +54,7 @@ class ModelView:
     def _points(self) -> tuple[dict, bool]:
         return full_depth_points(self.entries)
 
-    @property
+    @cached_property
     def points(self) -> dict[tuple[int, int], dict]:
         return {tuple(int(v) for v in k.split("x")): m for k, m in self._points[0].items()}
 

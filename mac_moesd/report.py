@@ -177,7 +177,7 @@ def _questions(d: Digest) -> list:
         bs, es = m.efficiency_curve(VERIFY_WINDOW)
         if bs:
             effs = dict(zip(bs, es))
-            line = (f"1. Two-factor shape: for {m.name} at the largest measured batch B={b}, verifying "
+            line = (f"Two-factor shape: for {m.name} at the largest measured batch B={b}, verifying "
                     f"{VERIFY_WINDOW} tokens costs {1 / effs[max(bs)]:.2f}x a plain step")
             if dense and dense[0].efficiency_curve(VERIFY_WINDOW)[0]:
                 dbs, des = dense[0].efficiency_curve(VERIFY_WINDOW)
@@ -194,12 +194,12 @@ def _questions(d: Digest) -> list:
         first = min((s["batch"] for s in saturated), default=None)
         where = (f"from B={first} agents (gamma={VERIFY_WINDOW}) the verify window saturates the experts"
                  if first else f"no measured batch saturates the experts at gamma={VERIFY_WINDOW}")
-        items.append(f"2. Multi-agent saturation for {r['model']}: with correlation c={r['correlation']:.2f} "
+        items.append(f"Multi-agent saturation for {r['model']}: with correlation c={r['correlation']:.2f} "
                      f"the threshold rises from {r['threshold_uniform']} to {r['threshold_corrected']} "
                      f"tokens; {where} (figure: routing).")
     if d.roofline:
         roof = d.roofline
-        items.append(f"3. Ridge point: {roof['ridge_flop_per_byte']:.1f} FLOP/byte, so a 4-bit model turns "
+        items.append(f"Ridge point: {roof['ridge_flop_per_byte']:.1f} FLOP/byte, so a 4-bit model turns "
                      f"compute-bound at about {roof['ridge_tokens']['4bit']:.1f} tokens per forward "
                      "(figure: roofline).")
     return blocks + [("list", items)] if items else []
@@ -279,7 +279,7 @@ def to_markdown(blocks: list) -> str:
         elif kind == "note":
             out.append("> " + block[1])
         elif kind == "list":
-            out.append("\n".join(block[1]))
+            out.append("\n".join(f"{i}. {item}" for i, item in enumerate(block[1], 1)))
         elif kind == "table":
             headers, rows = block[1], block[2]
             lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -314,7 +314,7 @@ def to_html(blocks: list, figures: dict[str, Path]) -> str:
         elif kind == "note":
             body.append(f"<p class='note'>{_inline(block[1])}</p>")
         elif kind == "list":
-            body.append("<ol>" + "".join(f"<li>{_inline(i.split('. ', 1)[1])}</li>" for i in block[1]) + "</ol>")
+            body.append("<ol>" + "".join(f"<li>{_inline(item)}</li>" for item in block[1]) + "</ol>")
         elif kind == "table":
             head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
             rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in block[2])

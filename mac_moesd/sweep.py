@@ -169,6 +169,15 @@ def point_key(batch: int, tokens: int) -> str:
     return f"{batch}x{tokens}"
 
 
+def entry_header(built: models.Built, context: int) -> dict:
+    """What a results entry records about the model it measured."""
+    return {
+        "model": built.source.name, "dtype": built.dtype, "bits": built.bits, "context": context,
+        "layers": built.layers, "layers_full": built.layers_full,
+        "vocab": built.config["vocab_size"], "footprint": built.footprint.to_dict(),
+    }
+
+
 def entry_key(built: models.Built, context: int) -> str:
     bits = f"q{built.bits}" if built.bits else built.dtype
     return f"{built.source.name}|{bits}|L{context}|layers{built.layers}"
@@ -291,12 +300,7 @@ def run_sweep(
     for layers in plan:
         built = models.build(source, cfg.dtype, cfg.bits, layers, seed=cfg.seed)
         footprint_full = footprint_full or models.build(source, cfg.dtype, cfg.bits).footprint
-        header = {
-            "model": source.name, "dtype": built.dtype, "bits": built.bits,
-            "context": cfg.context, "layers": layers, "layers_full": built.layers_full,
-            "vocab": built.config["vocab_size"], "footprint": built.footprint.to_dict(),
-        }
-        entry = store.entry("sweeps", entry_key(built, cfg.context), header)
+        entry = store.entry("sweeps", entry_key(built, cfg.context), entry_header(built, cfg.context))
         built.materialise()
         measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng)
         entry["drift"] = measure_drift(built, cfg, entry, rng)
@@ -342,11 +346,7 @@ def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
     if len(plan) > 1:
         raise MacMoesdError(f"drafter {source.name} does not fit in memory")
     built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
-    header = {
-        "model": source.name, "dtype": built.dtype, "bits": built.bits,
-        "context": cfg.context, "layers": built.layers, "layers_full": built.layers_full,
-        "footprint": built.footprint.to_dict(), "role": "draft",
-    }
+    header = {**entry_header(built, cfg.context), "role": "draft"}
     entry = store.entry("draft", entry_key(built, cfg.context), header)
     built.materialise()
     measure_grid(built, draft_cfg, (1,), entry, store.save, progress, rng)
