@@ -9,6 +9,7 @@ record which path ran.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,8 +19,8 @@ from mac_moesd.errors import MacMoesdError
 
 __all__ = ["KERNEL_DIR", "KernelCheckFailed", "Kernels", "check", "load_source"]
 
-# Top-level kernels/ of a source checkout or editable install.
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+# The top-level kernels/ folder, installed as the data package mac_moesd.metal.
+KERNEL_DIR = Path(str(resources.files("mac_moesd.metal")))
 THREADGROUP = 256
 GRID_THREADS = 256 * 1024  # enough threads in flight to saturate any Apple GPU's memory system
 

@@ -1,0 +1,1 @@
+"""Metal kernel sources (kernels/*.metal), shipped as package data."""
