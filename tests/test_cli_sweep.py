@@ -137,3 +137,20 @@ def test_sigkill_midway_then_resume(tmp_path):
     assert len(after) == 12
     for key, value in before.items():
         assert after[key] == value
+
+
+def test_ctrl_c_keeps_results_and_says_how_to_resume(tmp_path):
+    results = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2,4",
+           "--tokens", "1,2,3,4", "--context", "16", "--seconds-per-point", "0.2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while len(read_points(results)) < 1 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "results written so far are kept" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    assert 1 <= len(read_points(results)) < 12
