@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
 from mac_moesd.errors import BadInput
 from mac_moesd.sampling import rejection_sample
+from mac_moesd.sweep import RolledBackCache
 
 __all__ = ["SpecConfig", "run_spec"]
 
@@ -55,26 +56,20 @@ class SpecConfig:
 
 
 class Decoder:
-    """A target (and drafter) with caches prefilled to the context, for one batch size."""
+    """A target and a drafter with caches prefilled to the same context, for one batch size."""
 
     def __init__(self, target, draft, batch: int, context: int, vocab: int, rng: np.random.Generator):
-        self.target, self.draft, self.batch, self.vocab, self.rng = target, draft, batch, vocab, rng
+        self.target, self.draft, self.batch, self.rng = target, draft, batch, rng
         prompt = mx.array(rng.integers(0, vocab, (batch, context)))
-        self.target_cache = make_prompt_cache(target)
-        mx.eval(target(prompt, cache=self.target_cache))
-        self.draft_cache = None
-        if draft is not None:
-            self.draft_cache = make_prompt_cache(draft)
-            mx.eval(draft(prompt, cache=self.draft_cache))
-        self.start = [c.offset for c in self.target_cache]
-        self.draft_start = [c.offset for c in self.draft_cache] if self.draft_cache else None
+        self.target_rolled = RolledBackCache(target, batch, context, vocab, prompt)
+        self.draft_rolled = RolledBackCache(draft, batch, context, vocab, prompt)
+        self.target_cache, self.draft_cache = self.target_rolled.cache, self.draft_rolled.cache
         self.pending = mx.array(rng.integers(0, vocab, (batch, 1)))
 
     def reset(self) -> None:
         """Back to the prefilled context (between timed runs)."""
-        trim_prompt_cache(self.target_cache, self.target_cache[0].offset - self.start[0])
-        if self.draft_cache:
-            trim_prompt_cache(self.draft_cache, self.draft_cache[0].offset - self.draft_start[0])
+        self.target_rolled.reset()
+        self.draft_rolled.reset()
 
     def plain(self, steps: int) -> int:
         """Greedy one-token steps; returns tokens produced (all sequences)."""

@@ -117,12 +117,14 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
 
 
 class RolledBackCache:
-    """A prompt cache prefilled to ``context``; ``rollback`` undoes the last forward."""
+    """A prompt cache prefilled to ``context``; ``rollback`` undoes the last forward, ``reset``
+    everything since the prefill. ``prompt`` (batch, context) defaults to random token ids."""
 
-    def __init__(self, model, batch: int, context: int, vocab: int):
+    def __init__(self, model, batch: int, context: int, vocab: int, prompt: mx.array | None = None):
         self.cache = make_prompt_cache(model)
         self.context = context
-        prompt = mx.random.randint(0, vocab, (batch, context))
+        if prompt is None:
+            prompt = mx.random.randint(0, vocab, (batch, context))
         for start in range(0, context, PREFILL_CHUNK):
             model(prompt[:, start : start + PREFILL_CHUNK], cache=self.cache)
             mx.eval([c.state for c in self.cache])
@@ -142,6 +144,9 @@ class RolledBackCache:
         offsets = {c.offset for c in self.cache}
         if offsets != {self.context}:
             raise MacMoesdError(f"KV cache not restored: offsets {sorted(offsets)}, want {self.context}")
+
+    def reset(self) -> None:
+        self.rollback(self.cache[0].offset - self.context)
 
     def state(self) -> list:
         return [c.state for c in self.cache]
