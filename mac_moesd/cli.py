@@ -398,7 +398,11 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Reports folder; this machine's report goes in OUT/<chip-slug>.")
 def run_command(quick, full, models, out) -> None:
-    """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report."""
+    """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
+
+    Exit status: 0 when every stage ran; 3 when some were skipped (the report is written and
+    says why); 1 when nothing could be measured.
+    """
     from mac_moesd import report
     from mac_moesd import run as runner
 
@@ -422,13 +426,20 @@ def run_command(quick, full, models, out) -> None:
             bar.current_item = label
 
         stage.started = False
-        runner.run_all(plan, store, machine, machine.to_dict()["spec"], stage,
-                       advance=lambda label: setattr(bar, "current_item", label) or bar.render_progress())
+        outcome = runner.run_all(plan, store, machine, machine.to_dict()["spec"], stage,
+                                 advance=lambda label: setattr(bar, "current_item", label) or bar.render_progress())
         stage("report")
         paths = report.write_report(store.data, store.path.parent)
         bar.update(1)
+    for label, reason in outcome.skipped.items():
+        warn(f"skipped {label}: {reason}")
     click.echo(f"report: {paths['markdown']}")
     click.echo(f"        {paths['html']}")
+    if outcome.exit_status:
+        what = "nothing could be measured" if outcome.exit_status == 1 else \
+            f"{len(outcome.skipped)} stage(s) skipped"
+        click.echo(f"{what}; the report says what is missing and why", err=True)
+        sys.exit(outcome.exit_status)
 
 
 def hardware_slug() -> str:

@@ -49,11 +49,25 @@ def load_results(path: Path) -> dict:
     return data
 
 
-def write_atomic(path: Path, document: dict) -> None:
-    """Write JSON to a temp file in the same folder, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def ensure_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and check a file can be written there, before any measuring."""
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise MacMoesdError(f"cannot write results to {folder}: {err.strerror or err}") from None
+
+
+def write_atomic(path: Path, document: dict) -> None:
+    """Write JSON to a temp file in the same folder, fsync, then rename over ``path``.
+
+    A failure (disk full, folder not writable) raises MacMoesdError and leaves the earlier file
+    as it was."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; results are for sharing
@@ -63,9 +77,12 @@ def write_atomic(path: Path, document: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as err:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise MacMoesdError(f"cannot write {path}: {err.strerror or err}; "
+                                "an earlier file there is unchanged") from None
         raise
 
 
@@ -88,6 +105,7 @@ class ResultsStore:
 
     def __init__(self, path: Path, meta: dict):
         self.path = Path(path)
+        ensure_writable(self.path.parent)
         if self.path.exists():
             self.data = load_results(self.path)
             why = incompatibility(self.data.get("meta", {}), meta)

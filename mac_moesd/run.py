@@ -7,14 +7,14 @@ results.json and skipped on a rerun; a sweep resumes point by point.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mac_moesd import fit, roofline, routing, spec, sweep, timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
 
-__all__ = ["Plan", "default_plan", "run_all"]
+__all__ = ["Outcome", "Plan", "default_plan", "run_all"]
 
 
 @dataclass(frozen=True)
@@ -79,59 +79,120 @@ def with_models(plan: Plan, names: tuple[str, ...]) -> Plan:
 
 Stage = Callable[[str], None]
 
+# What a stage may fail with and still leave the others to run: our own errors (does not fit,
+# bad model), MLX's RuntimeError (a Metal command buffer that failed, an allocation refused) and
+# MemoryError. Anything else is a bug and goes up.
+STAGE_FAILURES = (MacMoesdError, RuntimeError, MemoryError)
+
+
+@dataclass
+class Outcome:
+    """Which stages ran and which were skipped (with why), for the exit status and the report."""
+
+    ran: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exit_status(self) -> int:
+        """0: every stage ran; 3: some were skipped (report written); 1: nothing was measured."""
+        if not self.skipped:
+            return 0
+        measuring = [s for s in self.ran if s != "fit"]
+        return 3 if measuring else 1
+
+
+def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[], None]) -> None:
+    """Run one stage; a failure is recorded under ``skipped`` with its reason and the run goes on.
+
+    MLX's buffer cache is emptied after every stage, so a freed model does not stay resident
+    while the next one is built (unified memory is shared with macOS and the user's apps).
+    """
+    import mlx.core as mx
+
+    try:
+        work()
+    except STAGE_FAILURES as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if not isinstance(err, MacMoesdError):
+            reason = f"{type(err).__name__}: {reason}"
+        outcome.skipped[label] = reason
+        store.put("skipped", label, reason)
+    else:
+        outcome.ran.append(label)
+        if store.data.get("skipped", {}).pop(label, None) is not None:
+            store.save()  # it ran this time: the earlier reason no longer applies
+    finally:
+        mx.clear_cache()
+
 
 def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
-            stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None) -> None:
-    """Measure every missing stage into ``store`` (each saved as soon as it is done)."""
+            stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None
+            ) -> Outcome:
+    """Measure every missing stage into ``store`` (each saved as soon as it is done). A stage that
+    fails is skipped with its reason; the stages after it still run."""
     data = store.data
-    stage("roofline")
-    if "roofline" not in data:
-        roofline.validate(plan.roofline, machine.available_bytes)
-        data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
-        store.save()
+    outcome = Outcome()
+
+    def run_stage(label: str, work: Callable[[], None]) -> None:
+        stage(label)
+        isolated(store, outcome, label, work)
+
+    def measure_roofline() -> None:
+        if "roofline" not in data:
+            roofline.validate(plan.roofline, machine.available_bytes)
+            data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
+            store.save()
+
+    run_stage("roofline", measure_roofline)
 
     class _Progress(sweep.Progress):
         def advance(self, label: str) -> None:
             advance(label)
 
     for name in plan.models:
-        stage(f"sweep {name}")
         cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens,
                                 context=plan.context, bits=plan.bits, budget=plan.budget,
                                 draft=plan.draft if name in plan.moe else None)
-        sweep.run_sweep(cfg, store, machine.available_bytes, _Progress())
+        run_stage(f"sweep {name}", lambda cfg=cfg: sweep.run_sweep(
+            cfg, store, machine.available_bytes, _Progress()))
 
     for name in plan.moe:
-        stage(f"routing {name}")
-        if not any(k.startswith(f"{name}|") for k in data.get("routing", {})):
+        def measure_routing(name=name) -> None:
+            if any(k.startswith(f"{name}|") for k in data.get("routing", {})):
+                return
             cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
-            try:
-                document = routing.run_routing(cfg, machine.available_bytes)
-            except MacMoesdError as err:  # the report says what is missing and why
-                skipped(store, f"routing {name}", err)
-            else:
-                store.put("routing", f"{document['model']}|{document['text']}", document)
+            document = routing.run_routing(cfg, machine.available_bytes)
+            store.put("routing", f"{document['model']}|{document['text']}", document)
 
-    stage("fit")
-    for name in plan.moe:
-        inputs = fit.inputs_from_results(data, name)
-        data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
-    store.save()
+        run_stage(f"routing {name}", measure_routing)
+
+    def fit_all() -> None:
+        fitted = []
+        for name in plan.moe:
+            if f"sweep {name}" in outcome.skipped:
+                continue
+            inputs = fit.inputs_from_results(data, name)
+            data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
+            fitted.append(name)
+        store.save()
+        if not fitted:
+            raise MacMoesdError("no MoE sweep finished, so there is nothing to fit")
+
+    run_stage("fit", fit_all)
 
     target = plan.moe[0]
-    stage(f"spec {target}")
-    key = f"{target}|{plan.draft}|emulated-acceptance"
-    if key not in data.get("spec", {}):
+
+    def measure_spec() -> None:
+        key = f"{target}|{plan.draft}|emulated-acceptance"
+        if key in data.get("spec", {}):
+            return
+        if target not in data.get("fits", {}):
+            raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
         cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, bits=plan.bits)
-        try:
-            document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]))
-        except MacMoesdError as err:
-            skipped(store, f"spec {target}", err)
-        else:
-            store.put("spec", key, document)
+        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]))
+        store.put("spec", key, document)
 
-
-def skipped(store: ResultsStore, what: str, err: Exception) -> None:
-    store.put("skipped", what, str(err))
+    run_stage(f"spec {target}", measure_spec)
+    return outcome

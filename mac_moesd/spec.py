@@ -102,6 +102,11 @@ class Decoder:
                 mx.eval(counts, greedy)
                 draws = self.rng.random((self.batch, gamma)) < alpha
                 accepted = np.cumprod(draws, axis=1).sum(axis=1)
+            elif mode == "self-draft":
+                # The target drafts for itself, so every draft is accepted by construction; an
+                # argmax comparison could differ on float16 near-ties (GPU), not in what it means.
+                mx.eval(greedy, drafts_arr)
+                accepted = np.full(self.batch, gamma)
             else:
                 mx.eval(greedy, drafts_arr)
                 matches = np.array(greedy[:, :gamma]) == np.array(drafts_arr)

@@ -1,0 +1,86 @@
+"""`run`: a failing stage is skipped with its reason, the others still run, the report is written,
+and the exit status says how complete the run was."""
+
+import json
+
+from click.testing import CliRunner
+from test_report import Machine, tiny_plan
+
+from mac_moesd import routing, spec, sweep
+from mac_moesd import run as runner
+from mac_moesd.cli import cli
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import ResultsStore
+
+META = {"chip_slug": "x", "backend": "cpu", "versions": {}, "blas": {}}
+
+
+def metal_failure(*args, **kwargs):
+    # What MLX raises when a Metal command buffer fails (e.g. out of memory mid-forward).
+    raise RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory\nmore detail")
+
+
+def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(routing, "run_routing", metal_failure)
+    store = ResultsStore(tmp_path / "results.json", META)
+    outcome = runner.run_all(tiny_plan(), store, Machine(), None)
+    assert outcome.skipped == {"routing tiny-moe": "RuntimeError: [METAL] Command buffer execution "
+                                                   "failed: Insufficient Memory"}
+    assert outcome.exit_status == 3
+    assert outcome.ran == ["roofline", "sweep tiny-moe", "sweep tiny-dense", "fit", "spec tiny-moe"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["skipped"] == outcome.skipped and {"fits", "spec"} <= set(saved)
+
+    monkeypatch.undo()  # a rerun retries the skipped stage and clears its reason
+    store = ResultsStore(tmp_path / "results.json", META)
+    outcome = runner.run_all(tiny_plan(), store, Machine(), None)
+    assert outcome.skipped == {} and outcome.exit_status == 0
+    assert json.loads((tmp_path / "results.json").read_text())["skipped"] == {}
+
+
+def test_a_failed_sweep_skips_its_fit_and_spec_with_reasons(tmp_path, monkeypatch):
+    real = sweep.run_sweep
+
+    def moe_fails(cfg, *args, **kwargs):
+        if cfg.model == "tiny-moe":
+            raise MacMoesdError("tiny-moe with 2 layers needs about 9.0 GiB but 5.3 GiB is usable")
+        return real(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_sweep", moe_fails)
+    monkeypatch.setattr(routing, "run_routing", metal_failure)
+    store = ResultsStore(tmp_path / "results.json", META)
+    outcome = runner.run_all(tiny_plan(), store, Machine(), None)
+    assert set(outcome.skipped) == {"sweep tiny-moe", "routing tiny-moe", "fit", "spec tiny-moe"}
+    assert outcome.skipped["fit"] == "no MoE sweep finished, so there is nothing to fit"
+    assert outcome.exit_status == 3  # the roofline and the dense sweep were measured
+
+
+def test_nothing_measured_exits_1(tmp_path, monkeypatch):
+    for module, name in ((sweep, "run_sweep"), (routing, "run_routing"), (spec, "run_spec")):
+        monkeypatch.setattr(module, name, metal_failure)
+    monkeypatch.setattr(runner.roofline, "run_roofline", metal_failure)
+    store = ResultsStore(tmp_path / "results.json", META)
+    assert runner.run_all(tiny_plan(), store, Machine(), None).exit_status == 1
+
+
+def test_cli_run_with_a_skipped_stage_writes_the_report_and_exits_3(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
+    monkeypatch.setattr(routing, "run_routing", metal_failure)
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])
+    assert result.exit_code == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "warning: skipped routing tiny-moe: RuntimeError: [METAL] Command buffer" in result.stderr
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    md = (folder / "report.md").read_text()
+    assert "Skipped routing tiny-moe: RuntimeError: [METAL] Command buffer" in md
+    assert "## Verdict" in md
+
+
+def test_cli_run_into_an_unwritable_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(blocker / "reports")])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: cannot write results to ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert blocker.read_text() == "not a folder"
