@@ -7,8 +7,10 @@ own ``Model`` class; we only choose the config, the dtype, the quantization and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from mlx_lm.utils import _get_classes, load_model, quantize_model
 from mac_moesd import zoo
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "resolve"]
+__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "resolve"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GROUP_SIZE = 64  # mlx-lm's default quantization group
@@ -184,7 +186,23 @@ class Built:
     footprint: Footprint
 
     def materialise(self) -> None:
-        mx.eval(self.model.parameters())
+        """Allocate the weights one array at a time, layer by layer: mlx-lm initialises each
+        weight in float32 before the cast and quantization, and one ``mx.eval`` over a whole
+        model (or layer) runs those transients side by side. One at a time, only the largest
+        array's transient comes on top of the weights (``memory.init_transient_bytes``)."""
+        for layer in self.model.layers:
+            for _, array in tree_flatten(layer.parameters()):
+                mx.eval(array)
+        for _, array in tree_flatten(self.model.parameters()):
+            mx.eval(array)  # embedding, final norm, head; the layers' arrays are done already
+
+
+@contextlib.contextmanager
+def mlx_lm_quiet():
+    """Send what mlx-lm prints (e.g. quantize_model's "[INFO] Quantized model ...") to stderr:
+    stdout carries only our output, one JSON document with --json."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def _slice_config(config: dict, layers: int) -> dict:
@@ -223,7 +241,8 @@ def build(
     try:
         if source.has_weights:
             # strict=False: the checkpoint also holds the layers past the slice.
-            model, _ = load_model(source.weights_dir, lazy=True, model_config=config, strict=False)
+            with mlx_lm_quiet():
+                model, _ = load_model(source.weights_dir, lazy=True, model_config=config, strict=False)
         else:
             model_class, args_class = _get_classes(config)
             model = model_class(args_class.from_dict(config))
@@ -234,7 +253,8 @@ def build(
         model.set_dtype(DTYPES[dtype])
         if bits is not None:
             # On CPU, quantize from float32 (DESIGN.md section 5): float16 scales are 20-35x slower.
-            model, config = quantize_model(model, config, group_size=GROUP_SIZE, bits=bits)
+            with mlx_lm_quiet():
+                model, config = quantize_model(model, config, group_size=GROUP_SIZE, bits=bits)
     return Built(model, config, source, dtype, bits, layers, layers_full, footprint(model, config))
 
 

@@ -8,6 +8,7 @@ Models too big for memory are measured on slices of N and 2N layers and extrapol
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -16,7 +17,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mac_moesd import models, timing
+from mac_moesd import memory, models, timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
 from mac_moesd.sampling import rejection_sample
@@ -24,8 +25,7 @@ from mac_moesd.sampling import rejection_sample
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
 PREFILL_CHUNK = 512
-MEMORY_MARGIN = 1.2  # headroom over the estimate for activations, allocator slack and the OS
-
+PIPELINED_STEPS = 16
 
 
 class Progress:
@@ -67,22 +67,17 @@ class SweepConfig:
 
 def kv_bytes_per_token(config: dict, dtype: str) -> int:
     """KV-cache bytes one token adds to one layer (keys plus values, all KV heads)."""
-    heads = config.get("num_attention_heads", 1)
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    if "kv_lora_rank" in config:  # MLA as mlx-lm's deepseek_v2 caches it: full keys and values
-        k_dim = config.get("qk_nope_head_dim", 128) + config.get("qk_rope_head_dim", 64)
-        return heads * (k_dim + config.get("v_head_dim", 128)) * models.DTYPES[dtype].size
-    return 2 * kv_heads * head_dim * models.DTYPES[dtype].size
+    return memory.kv_bytes_per_slot(config, models.DTYPES[dtype].size)
+
+
+def estimate(built: models.Built, cfg: SweepConfig) -> dict:
+    """Peak memory of measuring one slice (``memory.sweep_estimate``), before allocating it."""
+    return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK,
+                                 PIPELINED_STEPS)
 
 
 def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
-    """Weights + the largest batch's cache + the reference cache + logits, with a margin."""
-    per_token = kv_bytes_per_token(built.config, built.dtype) * built.layers
-    tokens = (max(cfg.batches) + min(cfg.batches)) * (cfg.context + max(cfg.tokens))
-    vocab = built.config.get("vocab_size", 0)
-    logits = max(cfg.batches) * max(cfg.tokens) * vocab * 4
-    return int((built.footprint.bytes_total + per_token * tokens + logits) * MEMORY_MARGIN)
+    return estimate(built, cfg)["peak_bytes"]
 
 
 def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | None) -> list[int]:
@@ -108,7 +103,7 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
         raise MacMoesdError(
             f"{source.name} with {plan[-1]} layers needs about {need / 2**30:.1f} GiB but "
             f"{available / 2**30:.1f} GiB is usable here; try --layers 1, --bits 4, "
-            "a smaller --batch or --context"
+            "a smaller --batch or --context, or a larger --memory-limit"
         )
     return plan
 
@@ -147,6 +142,25 @@ class RolledBackCache:
 
     def reset(self) -> None:
         self.rollback(self.cache[0].offset - self.context)
+
+    def rows(self, batch: int) -> RolledBackCache:
+        """The first ``batch`` sequences as a cache of their own (copies of their rows: every
+        cache state holds the batch on axis 0), so one prefill serves every smaller batch."""
+        self.reset()
+
+        def take(state):
+            return tuple(mx.array(s[:batch]) if isinstance(s, mx.array) else s for s in state)
+
+        out = object.__new__(RolledBackCache)
+        out.context, out.trimmable = self.context, self.trimmable
+        out.cache = []
+        for c in self.cache:
+            copied = copy.copy(c)
+            copied.state = take(c.state)
+            out.cache.append(copied)
+        out.snapshot = None if self.snapshot is None else [take(s) for s in self.snapshot]
+        mx.eval(out.state(), out.snapshot or [])
+        return out
 
     def state(self) -> list:
         return [c.state for c in self.cache]
@@ -196,16 +210,29 @@ def measure_grid(
     save: Callable[[], None],
     progress: Progress,
     rng: random.Random,
+    pipelined: bool = False,
 ) -> None:
-    """Measure the missing (B, t) points of ``entry``, one batch size at a time."""
+    """Measure the missing (B, t) points of ``entry`` and the drift check (and, with
+    ``pipelined``, pipelined decode at the first batch size), all on one prefill: the largest
+    batch's cache, and copies of its rows for the smaller batches."""
     vocab = built.config["vocab_size"]
-    for batch in cfg.batches:
+    big = max(cfg.batches)
+    parent = None
+
+    def cache_for(batch: int) -> RolledBackCache:
+        nonlocal parent
+        if parent is None:
+            parent = RolledBackCache(built.model, big, cfg.context, vocab)
+        return parent if batch == big else parent.rows(batch)
+
+    # Largest first: its cache grows to context + t before smaller batches copy its rows.
+    for batch in sorted(cfg.batches, reverse=True):
         todo = [t for t in tokens if point_key(batch, t) not in entry["points"]]
         for t in set(tokens) - set(todo):
             progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t} (kept)")
         if not todo:
             continue
-        cache = RolledBackCache(built.model, batch, cfg.context, vocab)
+        cache = cache_for(batch)
         points = {t: forward_point(built.model, cache, batch, t, vocab) for t in todo}
 
         def done(t, m, batch=batch):
@@ -215,18 +242,22 @@ def measure_grid(
 
         timing.measure(points, cfg.budget, rng, on_done=done)
         del cache, points
-
-
-PIPELINED_STEPS = 16
+    if not pipelined:
+        return
+    first = cfg.batches[0]
+    cache = cache_for(first)
+    entry["drift"] = measure_drift(built, cfg, entry, rng, cache)
+    if "pipelined" not in entry:
+        entry["pipelined"] = pipelined_decode(built, first, cfg.context, cache=cache)
 
 
 def pipelined_decode(built: models.Built, batch: int, context: int, steps: int = PIPELINED_STEPS,
-                     repeats: int = 3) -> dict:
+                     repeats: int = 3, cache: RolledBackCache | None = None) -> dict:
     """Seconds per greedy decode step when the next step's graph is built while the current one
     runs (``mx.async_eval``, as mlx-lm's generate loop does): what plain decode achieves, where the
     synchronous T_T(B,1) also pays for building each graph. Median over ``repeats`` runs."""
     vocab = built.config["vocab_size"]
-    cache = RolledBackCache(built.model, batch, context, vocab)
+    cache = cache or RolledBackCache(built.model, batch, context, vocab)
 
     def run() -> float:
         y = mx.random.randint(0, vocab, (batch, 1))
@@ -249,13 +280,13 @@ def pipelined_decode(built: models.Built, batch: int, context: int, steps: int =
             "min_s": values[0], "max_s": values[-1]}
 
 
-def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng) -> dict | None:
+def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
+                  cache: RolledBackCache) -> dict | None:
     """Re-measure the first point after the grid; compare with its first measurement."""
     key = point_key(cfg.batches[0], cfg.tokens[0])
     if key not in entry["points"]:
         return None
     vocab = built.config["vocab_size"]
-    cache = RolledBackCache(built.model, cfg.batches[0], cfg.context, vocab)
     point = forward_point(built.model, cache, cfg.batches[0], cfg.tokens[0], vocab)
     after = timing.measure({key: point}, cfg.budget, rng)[key]
     before = timing.Measurement.from_dict(entry["points"][key])
@@ -303,21 +334,22 @@ def run_sweep(
     progress.expect(grid * len(plan) + len(cfg.batches) * (2 if cfg.draft else 1))
     entries, footprint_full = [], None
     for layers in plan:
+        memory.start_stage()
         built = models.build(source, cfg.dtype, cfg.bits, layers, seed=cfg.seed)
         footprint_full = footprint_full or models.build(source, cfg.dtype, cfg.bits).footprint
         entry = store.entry("sweeps", entry_key(built, cfg.context), entry_header(built, cfg.context))
+        need = estimate(built, cfg)
         built.materialise()
-        measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng)
-        entry["drift"] = measure_drift(built, cfg, entry, rng)
-        if "pipelined" not in entry:
-            entry["pipelined"] = pipelined_decode(built, cfg.batches[0], cfg.context)
+        measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, pipelined=True)
+        entry["memory"] = memory.record(need, available_bytes)
         store.save()
         entries.append(entry)
         del built
+        memory.release()
     document = sweep_document(cfg, source, plan, entries, footprint_full)
     if cfg.draft:
         document["draft"] = measure_draft(cfg, store, available_bytes, progress, rng)
-    document["reject"] = measure_reject(cfg, source, store, progress, rng)
+    document["reject"] = measure_reject(cfg, source, store, progress, rng, available_bytes)
     return document
 
 
@@ -350,15 +382,21 @@ def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
     plan = plan_layers(source, draft_cfg, available_bytes)
     if len(plan) > 1:
         raise MacMoesdError(f"drafter {source.name} does not fit in memory")
+    memory.start_stage()
     built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
     header = {**entry_header(built, cfg.context), "role": "draft"}
     entry = store.entry("draft", entry_key(built, cfg.context), header)
+    need = estimate(built, draft_cfg)
     built.materialise()
     measure_grid(built, draft_cfg, (1,), entry, store.save, progress, rng)
-    return {**header, "points": points_list(entry["points"])}
+    entry["memory"] = memory.record(need, available_bytes)
+    store.save()
+    del built
+    memory.release()
+    return {**header, "points": points_list(entry["points"]), "memory": entry["memory"]}
 
 
-def measure_reject(cfg, source, store, progress, rng) -> dict:
+def measure_reject(cfg, source, store, progress, rng, available_bytes: int | None = None) -> dict:
     """T_rej(B): rejection sampling over the vocabulary for B x (gamma+1) positions."""
     vocab = source.config["vocab_size"]
     key = f"V{vocab}|gamma{cfg.gamma}"
@@ -366,6 +404,8 @@ def measure_reject(cfg, source, store, progress, rng) -> dict:
     todo = [b for b in cfg.batches if point_key(b, cfg.gamma + 1) not in entry["points"]]
     for b in set(cfg.batches) - set(todo):
         progress.advance(f"rejection sampling B={b} (kept)")
+    memory.start_stage()
+    need = reject_estimate(vocab, cfg)
     points = {b: reject_point(b, cfg.gamma, vocab) for b in todo}
 
     def done(b, m):
@@ -374,7 +414,16 @@ def measure_reject(cfg, source, store, progress, rng) -> dict:
         progress.advance(f"rejection sampling B={b}")
 
     timing.measure(points, cfg.budget, rng, on_done=done)
+    if todo:
+        entry["memory"] = memory.record(need, available_bytes)
+        store.save()
+    del points
+    memory.release()
     return {**entry, "points": points_list(entry["points"])}
+
+
+def reject_estimate(vocab: int, cfg: SweepConfig) -> dict:
+    return memory.phases(reject={"rejection": memory.rejection_bytes(vocab, max(cfg.batches), cfg.gamma)})
 
 
 def points_list(points: dict) -> list[dict]:
@@ -422,7 +471,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
         "footprint": footprint_full.to_dict(),
         "slices": [
             {"layers": e["layers"], "points": points_list({k: v for k, v in e["points"].items() if k in wanted}),
-             "drift": e.get("drift"), "pipelined": e.get("pipelined")}
+             "drift": e.get("drift"), "pipelined": e.get("pipelined"), "memory": e.get("memory")}
             for e in entries
         ],
         "warnings": warnings,
