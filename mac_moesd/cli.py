@@ -163,6 +163,19 @@ def budget_from(quick: bool, seconds: float | None):
     return base if seconds is None else replace(base, seconds_per_point=seconds)
 
 
+memory_limit_option = click.option(
+    "--memory-limit", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
+    help="Cap usable memory at this many GiB (or set MAC_MOESD_MEMORY_LIMIT); guards, slicing "
+         "and skipping then plan within it.")
+
+
+def usable_memory(limit_gib: float | None):
+    """Usable memory now (the smaller of the ceiling and free memory, less a margin), capped."""
+    from mac_moesd import memory
+
+    return memory.usable(memory.limit_bytes(limit_gib))
+
+
 def out_option(default_help: str = "reports/<chip-slug>"):
     return click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
                         help=f"Folder for results.json [default: {default_help}].")
@@ -221,10 +234,11 @@ def open_store(out: Path | None, per_chip: bool = False):
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True,
               help="Draft length for the rejection-sampling step T_rej(B).")
 @with_options(budget_options)
+@memory_limit_option
 @out_option()
 @json_option
 def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, quick,
-                  seconds_per_point, out, as_json) -> None:
+                  seconds_per_point, memory_limit, out, as_json) -> None:
     """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
 
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
@@ -236,10 +250,11 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
                       gamma=gamma, budget=budget_from(quick, seconds_per_point))
     validate(cfg)
+    usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
     progress = ProgressBar(f"sweep {model}")
     try:
-        document = run_sweep(cfg, store, machine.available_bytes, progress)
+        document = run_sweep(cfg, store, usable.usable_bytes, progress)
     finally:
         progress.close()
     document["meta"] = meta
@@ -255,9 +270,10 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
               help="Array sizes in MiB for read/copy/triad [default: 1,4,16,64,256,1024].")
 @click.option("--max-size", type=click.FloatRange(0, min_open=True), default=None,
               help="Drop sizes above this many MiB.")
+@memory_limit_option
 @out_option()
 @json_option
-def roofline_command(quick, sizes, max_size, out, as_json) -> None:
+def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None:
     """Measured bandwidth and FLOPS, the ridge point, and the chip's spec beside them."""
     from mac_moesd import roofline
 
@@ -270,8 +286,9 @@ def roofline_command(quick, sizes, max_size, out, as_json) -> None:
     if max_size:
         cap = roofline.sizes_from_mib((max_size,))[0]
         cfg = replace(cfg, sizes=tuple(s for s in cfg.sizes if s <= cap) or (cap,))
+    usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
-    roofline.validate(cfg, machine.available_bytes, cap)
+    roofline.validate(cfg, usable.usable_bytes, cap)
     spec = machine.to_dict()["spec"]
     steps = len(cfg.sizes) + 4 + len(cfg.dtypes) + 2
     progress = ProgressBar("roofline")
@@ -303,16 +320,18 @@ def roofline_command(quick, sizes, max_size, out, as_json) -> None:
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Route only the first N layers.")
 @click.option("--tau", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.95,
               show_default=True, help="Saturation level.")
+@memory_limit_option
 @out_option()
 @json_option
-def routing_command(model, text, batches, tokens, length, layers, tau, out, as_json) -> None:
+def routing_command(model, text, batches, tokens, length, layers, tau, memory_limit, out, as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
     from mac_moesd.routing import RoutingConfig, run_routing
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
                         layers=layers, tau=tau)
+    usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
-    document = run_routing(cfg, machine.available_bytes)
+    document = run_routing(cfg, usable.usable_bytes)
     store.put("routing", f"{document['model']}|{document['text']}", document)
     document["meta"] = meta
     document["results_file"] = str(store.path)
@@ -367,16 +386,18 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens each sequence generates per timed run.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@memory_limit_option
 @out_option()
 @json_option
-def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, out,
-                 as_json) -> None:
+def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats,
+                 memory_limit, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction."""
     from mac_moesd import fit
     from mac_moesd.spec import SpecConfig, run_spec
 
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats)
+    usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
     from mac_moesd import models
 
@@ -384,7 +405,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
     predictor = fit.speedup_predictor(fitted) if fitted else None
-    document = run_spec(cfg, predictor)
+    document = run_spec(cfg, predictor, usable.usable_bytes)
     store.put("spec", f"{document['target']}|{document['draft']}|{mode}", document)
     document["meta"] = meta
     emit(document, as_json, render_spec)

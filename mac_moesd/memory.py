@@ -222,7 +222,8 @@ def kv_bytes_per_slot(config: dict, dtype_bytes: int) -> int:
 def activation_bytes(config: dict, dtype_bytes: int, batch: int, tokens: int, kv_len: int) -> int:
     """Live activations of one decoder layer for a forward of batch x tokens over kv_len keys
     (MLX frees each layer's temporaries once the next consumes them):
-    - residual, normed input, attention output and its projection: 4 x hidden;
+    - residual, normed input, attention output and its projection, FFN output and the next
+      layer's input (a dequantized embedding row for the first): 6 x hidden;
     - q, k, v: (heads + 2 kv_heads) x head_dim;
     - FFN, the larger of dense gate/up/product (3 x intermediate) and MoE: per chosen expert
       gate/up/product (3 x moe_intermediate) plus the token copies SwitchGLU gathers and
@@ -244,7 +245,7 @@ def activation_bytes(config: dict, dtype_bytes: int, batch: int, tokens: int, kv
         shared = config.get("shared_expert_intermediate_size") or (
             (config.get("n_shared_experts") or 0) * moe_width)
         ffn = max(ffn, top_k * (3 * moe_width + 2 * hidden) + 3 * shared + experts)
-    per_token = 4 * hidden + (heads + 2 * kv_heads) * head_dim + ffn
+    per_token = 6 * hidden + (heads + 2 * kv_heads) * head_dim + ffn
     scores = 2 * batch * heads * tokens * kv_len * SCORE_BYTES
     return batch * tokens * per_token * dtype_bytes + scores
 

@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from scipy.optimize import least_squares
 
-from mac_moesd import theory
+from mac_moesd import memory, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 
 __all__ = ["capture_routing", "count_windows", "fit_correlation", "routing_document", "token_source"]
@@ -141,7 +141,8 @@ def routed_indices(model: nn.Module, tokens: mx.array) -> np.ndarray:
     """(layers, B, L, k) expert indices for one forward over ``tokens`` (B, L)."""
     batch, length = tokens.shape
     with capture_routing(model) as sinks:
-        mx.eval(model(tokens))
+        model(tokens)  # lazy: evaluate only what the indices need, never the logits
+        mx.eval([indices for sink in sinks for indices in sink])
     per_layer = []
     for sink in sinks:
         (indices,) = sink
@@ -269,20 +270,21 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     source = models.resolve(cfg.model)
     shape = zoo_shape(source.config)
     text, where = load_text(cfg.text)
+    sequences = 2 * max(cfg.batches)
     built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
-    while cfg.layers is None and not _fits(built, available_bytes) and built.layers > 1:
+    while cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes) and built.layers > 1:
         built = models.build(source, bits=cfg.bits, layers=built.layers // 2, seed=cfg.seed)
-    if not _fits(built, available_bytes):
+    need = memory.routing_estimate(built, sequences, cfg.length)
+    if not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(
-            f"{source.name} with {built.layers} layers needs about "
-            f"{built.footprint.bytes_total * 1.2 / 2**30:.1f} GiB; "
+            f"{source.name} with {built.layers} layers needs about {need['peak_bytes'] / 2**30:.1f} GiB; "
             f"{available_bytes / 2**30:.1f} GiB is usable here: route a slice with --layers or --bits 4"
         )
     if not switch_modules(built.model):
         raise MacMoesdError(f"{source.name} has no MoE layers to route")
+    memory.start_stage()
     built.materialise()
     tokenizer = _tokenizer(source)
-    sequences = 2 * max(cfg.batches)
     ids, how = token_source(text, tokenizer, source.config["vocab_size"],
                             max(cfg.batches) * cfg.length, cfg.seed)
     sequences = min(sequences, len(ids) // cfg.length)
@@ -300,12 +302,17 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
         "layers_measured": built.layers,
         "layers_full": built.layers_full,
         "moe_layers_measured": int(indices.shape[0]),
+        "memory": memory.record(need, available_bytes),
     })
+    del built
+    memory.release()
     return document
 
 
-def _fits(built, available_bytes: int | None) -> bool:
-    return available_bytes is None or built.footprint.bytes_total * 1.2 <= available_bytes
+def _fits(built, sequences: int, length: int, available_bytes: int | None) -> bool:
+    if available_bytes is None:
+        return True
+    return memory.routing_estimate(built, sequences, length)["peak_bytes"] <= available_bytes
 
 
 def zoo_shape(config: dict) -> tuple[int, int]:

@@ -23,9 +23,10 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mac_moesd.errors import BadInput
+from mac_moesd import memory
+from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.sampling import rejection_sample
-from mac_moesd.sweep import RolledBackCache
+from mac_moesd.sweep import PREFILL_CHUNK, RolledBackCache
 
 __all__ = ["SpecConfig", "run_spec"]
 
@@ -178,19 +179,55 @@ def mlx_lm_batch1(target, draft, context, new_tokens, gamma, repeats, vocab, rng
     return {**row, "acceptance": from_draft / new_tokens, "engine": "mlx-lm"}
 
 
-def run_spec(cfg: SpecConfig, predictor=None) -> dict:
-    """Measure every (batch, gamma, alpha); ``predictor(batch, gamma, alpha, self_draft)`` gives
-    the fitted model's speedup for the same configuration, or None."""
+def estimate(cfg: SpecConfig, target, draft) -> dict:
+    """Peak memory of the run at its largest batch and gamma (``memory.spec_estimate``)."""
+    return memory.spec_estimate(target, draft, max(cfg.batches), max(cfg.gammas), cfg.context,
+                                cfg.new_tokens, PREFILL_CHUNK, cfg.mode == "real" and 1 in cfg.batches)
+
+
+def plan_models(cfg: SpecConfig, available_bytes: int | None):
+    """Target and drafter, built lazily, at full depth if they fit with two caches per batch;
+    else both cut to the same fraction of their layers (halving the target's) so the cost of a
+    draft step relative to a target step stays about the same; else refuse. Nothing allocated."""
     from mac_moesd import models
 
-    rng = np.random.default_rng(cfg.seed)
     target_src = models.resolve(cfg.target)
-    target = models.build(target_src, bits=cfg.bits, seed=cfg.seed)
+    draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
+    full = int(target_src.config["num_hidden_layers"])
+    draft_full = int(draft_src.config["num_hidden_layers"]) if draft_src else 0
+    layers = full
+    while True:
+        target = models.build(target_src, bits=cfg.bits, layers=layers, seed=cfg.seed)
+        draft = None
+        if draft_src is not None:
+            draft_layers = max(1, round(draft_full * layers / full))
+            draft = models.build(draft_src, bits=cfg.bits, layers=draft_layers, seed=cfg.seed + 1)
+        need = estimate(cfg, target, draft)
+        if available_bytes is None or need["peak_bytes"] <= available_bytes:
+            return target, draft, need
+        if layers == 1:
+            raise MacMoesdError(
+                f"SD of {target_src.name} needs about {need['peak_bytes'] / 2**30:.1f} GiB even with "
+                f"one layer; {available_bytes / 2**30:.1f} GiB is usable here: try --bits 4, a "
+                "smaller --batch or --context, or a larger --memory-limit")
+        layers //= 2
+
+
+def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None) -> dict:
+    """Measure every (batch, gamma, alpha); ``predictor(batch, gamma, alpha, self_draft)`` gives
+    the fitted model's speedup for the same configuration, or None. A target and drafter too big
+    for ``available_bytes`` are measured on slices (``plan_models``), without a prediction: the
+    fit predicts the full model."""
+    rng = np.random.default_rng(cfg.seed)
+    target, draft, need = plan_models(cfg, available_bytes)
+    sliced = target.layers < target.layers_full
+    if sliced:
+        predictor = None
+    memory.start_stage()
     target.materialise()
     if cfg.mode == "self-draft":
         draft = target
     else:
-        draft = models.build(models.resolve(cfg.draft), bits=cfg.bits, seed=cfg.seed + 1)
         draft.materialise()
         if draft.config["vocab_size"] != target.config["vocab_size"]:
             raise BadInput("target and drafter must share a vocabulary size")
@@ -221,6 +258,16 @@ def run_spec(cfg: SpecConfig, predictor=None) -> dict:
                     "predicted_speedup": predicted, "repeats": cfg.repeats, **row,
                 })
         del decoder
-    return {"target": target_src.name, "draft": target_src.name if cfg.mode == "self-draft" else cfg.draft,
-            "context": cfg.context, "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
-            "runs": runs}
+        memory.release()
+    document = {
+        "target": target.source.name,
+        "draft": target.source.name if cfg.mode == "self-draft" else cfg.draft,
+        "context": cfg.context, "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
+        "runs": runs,
+        "layers": {"target": target.layers, "target_full": target.layers_full,
+                   "draft": draft.layers, "draft_full": draft.layers_full, "sliced": sliced},
+        "memory": memory.record(need, available_bytes),
+    }
+    del target, draft
+    memory.release()
+    return document

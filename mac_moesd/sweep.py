@@ -211,10 +211,10 @@ def measure_grid(
     progress: Progress,
     rng: random.Random,
     pipelined: bool = False,
-) -> None:
+) -> bool:
     """Measure the missing (B, t) points of ``entry`` and the drift check (and, with
     ``pipelined``, pipelined decode at the first batch size), all on one prefill: the largest
-    batch's cache, and copies of its rows for the smaller batches."""
+    batch's cache, and copies of its rows for the smaller batches. True if anything ran."""
     vocab = built.config["vocab_size"]
     big = max(cfg.batches)
     parent = None
@@ -243,12 +243,13 @@ def measure_grid(
         timing.measure(points, cfg.budget, rng, on_done=done)
         del cache, points
     if not pipelined:
-        return
+        return parent is not None
     first = cfg.batches[0]
     cache = cache_for(first)
     entry["drift"] = measure_drift(built, cfg, entry, rng, cache)
     if "pipelined" not in entry:
         entry["pipelined"] = pipelined_decode(built, first, cfg.context, cache=cache)
+    return True
 
 
 def pipelined_decode(built: models.Built, batch: int, context: int, steps: int = PIPELINED_STEPS,
@@ -340,8 +341,8 @@ def run_sweep(
         entry = store.entry("sweeps", entry_key(built, cfg.context), entry_header(built, cfg.context))
         need = estimate(built, cfg)
         built.materialise()
-        measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, pipelined=True)
-        entry["memory"] = memory.record(need, available_bytes)
+        if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, pipelined=True):
+            entry["memory"] = memory.record(need, available_bytes)
         store.save()
         entries.append(entry)
         del built
@@ -388,12 +389,12 @@ def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
     entry = store.entry("draft", entry_key(built, cfg.context), header)
     need = estimate(built, draft_cfg)
     built.materialise()
-    measure_grid(built, draft_cfg, (1,), entry, store.save, progress, rng)
-    entry["memory"] = memory.record(need, available_bytes)
+    if measure_grid(built, draft_cfg, (1,), entry, store.save, progress, rng):
+        entry["memory"] = memory.record(need, available_bytes)
     store.save()
     del built
     memory.release()
-    return {**header, "points": points_list(entry["points"]), "memory": entry["memory"]}
+    return {**header, "points": points_list(entry["points"]), "memory": entry.get("memory")}
 
 
 def measure_reject(cfg, source, store, progress, rng, available_bytes: int | None = None) -> dict:
