@@ -185,7 +185,7 @@ def estimate(cfg: SpecConfig, target, draft) -> dict:
                                 cfg.new_tokens, PREFILL_CHUNK, cfg.mode == "real" and 1 in cfg.batches)
 
 
-def plan_models(cfg: SpecConfig, available_bytes: int | None):
+def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None = None):
     """Target and drafter, built lazily, at full depth if they fit with two caches per batch;
     else both cut to the same fraction of their layers (halving the target's) so the cost of a
     draft step relative to a target step stays about the same; else refuse. Nothing allocated."""
@@ -197,11 +197,11 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None):
     draft_full = int(draft_src.config["num_hidden_layers"]) if draft_src else 0
     layers = full
     while True:
-        target = models.build(target_src, bits=cfg.bits, layers=layers, seed=cfg.seed)
+        target = models.build(target_src, dtype, cfg.bits, layers, seed=cfg.seed)
         draft = None
         if draft_src is not None:
             draft_layers = max(1, round(draft_full * layers / full))
-            draft = models.build(draft_src, bits=cfg.bits, layers=draft_layers, seed=cfg.seed + 1)
+            draft = models.build(draft_src, dtype, cfg.bits, draft_layers, seed=cfg.seed + 1)
         need = estimate(cfg, target, draft)
         if available_bytes is None or need["peak_bytes"] <= available_bytes:
             return target, draft, need

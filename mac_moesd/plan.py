@@ -1,0 +1,244 @@
+"""`mac-moesd run --dry-run`: each stage's models, slices, grid, peak memory and duration, from
+shapes and the chip's figures alone. Nothing is allocated: models are built lazily.
+
+Durations are a roofline estimate: one forward of B x t tokens over L cached ones takes
+max(bytes / bandwidth, FLOP / FLOPS), with bytes = dense weights + the experts N(B t) activates
+under uniform routing + the KV cache read, and FLOP = 2 x active parameters x tokens + attention.
+Each timed point then costs what the timer's budget rule makes of that time (warm-ups, then
+samples until the budget is spent; the confidence-interval stop is assumed never to come early),
+and prefills, model builds and SD runs are counted the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from mac_moesd import hardware, memory, models, routing, spec, sweep, theory, timing
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.run import Plan
+
+__all__ = ["Rates", "chip_rates", "dry_run", "parse_chip"]
+
+# Apple's newest per-core FP32 figure (M2: 3.6 TFLOPS over 10 GPU cores, hardware.APPLE_CHIPS)
+# stands in for chips without a published one (M3 and later), whose GPU cores are no slower.
+_M2_PER_CORE = 3.6e12 / 10
+PIPELINED_RUNS = 4  # sweep.pipelined_decode: one warm-up and three timed runs
+
+
+@dataclass(frozen=True)
+class Rates:
+    bandwidth_bytes_s: float
+    flops: float
+    source: str
+
+
+def parse_chip(text: str) -> hardware.ChipSpec:
+    """'Apple M3 Pro' (full-core tier) or 'Apple M3 Pro 18c' from the chip table."""
+    match = re.fullmatch(r"\s*(.*?)(?:\s+(\d+)\s*c(?:ores?)?)?\s*", text, flags=re.IGNORECASE)
+    name, cores = match.group(1), match.group(2)
+    if not name.lower().startswith("apple"):
+        name = f"Apple {name}"
+    found = hardware.lookup_spec(name, int(cores) if cores else None)
+    if found is None:
+        known = sorted({f"{c.name} {c.gpu_cores}c" for c in hardware.APPLE_CHIPS})
+        raise BadInput(f"unknown chip {text!r}; known: {', '.join(known)}")
+    return found
+
+
+def chip_rates(chip: hardware.ChipSpec) -> Rates:
+    if chip.fp32_flops is not None:
+        return Rates(chip.bandwidth_bytes_s, chip.fp32_flops, f"{chip.name} spec")
+    return Rates(chip.bandwidth_bytes_s, _M2_PER_CORE * chip.gpu_cores,
+                 f"{chip.name} spec bandwidth; FLOPS from {chip.gpu_cores} cores at M2's "
+                 "published per-core rate (no figure published for this chip)")
+
+
+def measured_rates(results: Path) -> Rates | None:
+    """Bandwidth and FLOPS of a roofline already measured into ``results``."""
+    try:
+        roof = json.loads(results.read_text())["roofline"]
+        flops = roof["flops_tflops"][roof["ridge_dtype"]] * 1e12
+        return Rates(roof["bandwidth_ceiling_gbs"] * 1e9, flops, f"measured roofline in {results}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---- durations ----
+
+
+def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) -> float:
+    fp = built.footprint
+    config = built.config
+    n = batch * tokens
+    weight_bytes = fp.bytes_dense_streamed
+    if fp.experts:
+        weight_bytes += theory.activated_experts(n, fp.experts, fp.top_k) * fp.bytes_per_expert
+    per_slot = memory.kv_bytes_per_slot(config, models.DTYPES[built.dtype].size) * built.layers
+    moved = weight_bytes + batch * context * per_slot
+    heads = config.get("num_attention_heads", 1)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    flop = 2 * fp.params_active * n + 4 * n * context * heads * head_dim * built.layers
+    return max(moved / rates.bandwidth_bytes_s, flop / rates.flops)
+
+
+def point_seconds(t: float, budget: timing.Budget) -> float:
+    """What timing.measure spends on a point whose call takes ``t``: warm-ups, then visits of
+    ``per_visit`` samples until min_repeats and the time budget (or max_repeats) are reached."""
+    n = 0
+    while n < budget.min_repeats or (n < budget.max_repeats and n * t < budget.seconds_per_point):
+        n += budget.per_visit
+    return (budget.warmup + n) * t
+
+
+def prefill_seconds(built, rates: Rates, batch: int, context: int) -> float:
+    chunks = memory.prefill_forwards(context, sweep.PREFILL_CHUNK)
+    return sum(forward_seconds(built, rates, batch, c, done + c)
+               for done, c in zip([0, *_cumsum(chunks)], chunks))
+
+
+def _cumsum(values):
+    total, out = 0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def materialise_seconds(built, rates: Rates) -> float:
+    """Random float32 init written, read for the cast, cast written and read for quantization,
+    final weights written: 12 bytes per parameter plus the final bytes, at bandwidth."""
+    return (12 * built.footprint.params_total + built.footprint.bytes_total) / rates.bandwidth_bytes_s
+
+
+# ---- stages ----
+
+
+def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -> dict:
+    cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
+                            dtype=dtype, bits=plan.bits, budget=plan.budget,
+                            draft=plan.draft if name in plan.moe else None)
+    source = models.resolve(name)
+    slices = sweep.plan_layers(source, cfg, usable)
+    peak, seconds, parts = 0, 0.0, []
+    for layers in slices:
+        built = models.build(source, dtype, plan.bits, layers)
+        need = sweep.estimate(built, cfg)
+        big = max(plan.batches)
+        seconds += materialise_seconds(built, rates) + prefill_seconds(built, rates, big, plan.context)
+        seconds += sum(point_seconds(forward_seconds(built, rates, b, t, plan.context), plan.budget)
+                       for b in plan.batches for t in plan.tokens)
+        first = forward_seconds(built, rates, plan.batches[0], plan.tokens[0], plan.context)
+        seconds += point_seconds(first, plan.budget)  # the drift check
+        seconds += PIPELINED_RUNS * sweep.PIPELINED_STEPS * first
+        peak = max(peak, need["peak_bytes"])
+        parts.append({"layers": layers, "peak_bytes": need["peak_bytes"], "phase": need["phase"]})
+    models_used = [name]
+    if cfg.draft:
+        draft_cfg = replace(cfg, model=cfg.draft, tokens=(1,))
+        draft = models.build(models.resolve(cfg.draft), dtype, plan.bits)
+        need = sweep.estimate(draft, draft_cfg)
+        peak = max(peak, need["peak_bytes"])
+        seconds += materialise_seconds(draft, rates) + prefill_seconds(draft, rates, max(plan.batches), plan.context)
+        seconds += sum(point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget)
+                       for b in plan.batches)
+        models_used.append(cfg.draft)
+    vocab = source.config["vocab_size"]
+    peak = max(peak, memory.rejection_bytes(vocab, max(plan.batches), cfg.gamma))
+    seconds += sum(point_seconds(memory.rejection_bytes(vocab, b, cfg.gamma) / rates.bandwidth_bytes_s,
+                                 plan.budget) for b in plan.batches)
+    full = int(source.config["num_hidden_layers"])
+    return {"stage": f"sweep {name}", "models": models_used, "layers": slices, "layers_full": full,
+            "extrapolated": len(slices) > 1, "grid": {"batch": list(plan.batches), "tokens": list(plan.tokens)},
+            "context": plan.context, "slices": parts, "peak_bytes": peak, "eta_s": seconds}
+
+
+def _routing_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -> dict:
+    source = models.resolve(name)
+    cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
+    sequences = 2 * max(cfg.batches)
+    built = models.build(source, dtype, plan.bits)
+    while memory.routing_estimate(built, sequences, cfg.length)["peak_bytes"] > usable and built.layers > 1:
+        built = models.build(source, dtype, plan.bits, built.layers // 2)
+    need = memory.routing_estimate(built, sequences, cfg.length)
+    seconds = materialise_seconds(built, rates) + forward_seconds(built, rates, sequences, cfg.length, cfg.length)
+    return {"stage": f"routing {name}", "models": [name], "layers": [built.layers],
+            "layers_full": built.layers_full, "grid": {"batch": list(cfg.batches), "tokens": list(cfg.tokens)},
+            "context": cfg.length, "peak_bytes": need["peak_bytes"], "fits": need["peak_bytes"] <= usable,
+            "eta_s": seconds}
+
+
+def _spec_stage(plan: Plan, dtype: str, usable: int, rates: Rates) -> dict:
+    target = plan.moe[0]
+    cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
+                          alphas=(0.7,), context=plan.context, new_tokens=plan.spec_tokens,
+                          repeats=plan.spec_repeats, bits=plan.bits)
+    t, d, need = spec.plan_models(cfg, usable, dtype)
+    seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
+    for batch in cfg.batches:
+        seconds += prefill_seconds(t, rates, batch, cfg.context) + prefill_seconds(d, rates, batch, cfg.context)
+        plain = cfg.new_tokens * forward_seconds(t, rates, batch, 1, cfg.context)
+        for gamma in cfg.gammas:
+            for alpha in cfg.alphas:
+                per_round = float(theory.expected_tokens_per_round(alpha, gamma))
+                rounds = math.ceil(cfg.new_tokens / per_round)
+                sd = rounds * (gamma * forward_seconds(d, rates, batch, 1, cfg.context)
+                               + forward_seconds(t, rates, batch, gamma + 1, cfg.context))
+                seconds += (cfg.repeats + 1) * (plain + sd)  # one warm-up pair, then the pairs
+    return {"stage": f"spec {target}", "models": [target, plan.draft],
+            "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
+            "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas), "alpha": list(cfg.alphas)},
+            "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
+
+
+def _roofline_stage(plan: Plan, rates: Rates) -> dict:
+    cfg = plan.roofline
+    bw, fl, budget = rates.bandwidth_bytes_s, rates.flops, cfg.budget
+    seconds = sum(point_seconds(moved * size / bw, budget) for size in cfg.sizes for moved in (1, 2, 3))
+    seconds += 4 * point_seconds(cfg.gemv_bytes / bw, budget)
+    seconds += len(cfg.dtypes) * point_seconds(2 * cfg.matmul_n ** 3 / fl, budget)
+    out, inn = cfg.qmm_shape
+    seconds += sum(point_seconds(max(out * inn * 0.6 / bw, 2 * t * out * inn / fl), budget)
+                   for _ in (4, 8) for t in cfg.qmm_tokens)
+    peak = max(4 * max(cfg.sizes), 2 * cfg.gemv_bytes)  # triad's four arrays; a GEMV weight and its cast
+    return {"stage": "roofline", "models": [], "grid": {"sizes_bytes": list(cfg.sizes)},
+            "peak_bytes": peak, "eta_s": seconds}
+
+
+def _guarded(stage: str, names: list[str], estimate, *args) -> dict:
+    """A stage the guards would refuse is listed as skipped, with their reason; it allocates
+    nothing and takes no time."""
+    try:
+        return estimate(*args)
+    except MacMoesdError as err:
+        return {"stage": stage, "models": names, "peak_bytes": 0, "eta_s": 0.0, "skipped": str(err)}
+
+
+def dry_run(plan: Plan, backend: str, chip: str, memory_bytes: int | None, usable: memory.Usable,
+            rates: Rates | None) -> dict:
+    """Every stage of ``plan`` with its peak estimate and, given rates, its duration."""
+    dtype = "float16" if backend != "cpu" else "float32"
+    budget = usable.usable_bytes
+    stages = []
+    if rates is None:
+        raise BadInput("no bandwidth or FLOPS for this machine: run `mac-moesd roofline` first, "
+                       "or give --chip")
+    stages.append(_roofline_stage(plan, rates))
+    for name in plan.models:
+        stages.append(_guarded(f"sweep {name}", [name], _sweep_stage, plan, name, dtype, budget, rates))
+    for name in plan.moe:
+        stages.append(_guarded(f"routing {name}", [name], _routing_stage, plan, name, dtype, budget, rates))
+    stages.append(_guarded(f"spec {plan.moe[0]}", [plan.moe[0], plan.draft], _spec_stage, plan, dtype,
+                           budget, rates))
+    for s in stages:
+        s["fits"] = s["peak_bytes"] <= budget
+    return {
+        "chip": chip, "backend": backend, "dtype": dtype, "bits": plan.bits,
+        "memory_bytes": memory_bytes, "usable_bytes": budget, "usable": usable.to_dict(),
+        "rates": {"bandwidth_bytes_s": rates.bandwidth_bytes_s, "flops": rates.flops, "source": rates.source},
+        "stages": stages, "eta_s": sum(s["eta_s"] for s in stages),
+        "not_estimated": ["fit", "report"],
+    }
