@@ -12,7 +12,7 @@ import click
 
 from mac_moesd import __version__, blas, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_compare, render_fit, render_info, render_roofline, render_routing, render_spec, render_sweep, render_theory, render_zoo
+from mac_moesd.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_spec, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -418,7 +418,15 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
               help="Comma-separated targets instead of the defaults (MoE first; a dense one is the control).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Reports folder; this machine's report goes in OUT/<chip-slug>.")
-def run_command(quick, full, models, out) -> None:
+@memory_limit_option
+@click.option("--dry-run", is_flag=True,
+              help="Allocate nothing: print each stage's models, slices, grid, peak memory and ETA.")
+@click.option("--chip", default=None,
+              help="With --dry-run: plan for this chip of the table, e.g. 'Apple M1', 'Apple M3 Pro 18c'.")
+@click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
+              help="With --dry-run: the machine's RAM in GiB (required with --chip).")
+@json_option
+def run_command(quick, full, models, out, memory_limit, dry_run, chip, memory_gib, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
 
     Exit status: 0 when every stage ran; 3 when some were skipped (the report is written and
@@ -429,6 +437,15 @@ def run_command(quick, full, models, out) -> None:
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")
+    if (chip or memory_gib) and not dry_run:
+        raise click.UsageError("--chip and --memory describe another machine: use them with --dry-run")
+    if dry_run:
+        document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib)
+        emit(document, as_json, render_plan)
+        return
+    if as_json:
+        raise click.UsageError("--json goes with --dry-run (a run writes its results to OUT)")
+    limit = memory_limit_bytes(memory_limit)
     machine, meta, store = open_store(out, per_chip=True)
     plan = runner.default_plan(machine.backend, quick, full)
     if models:
@@ -448,7 +465,8 @@ def run_command(quick, full, models, out) -> None:
 
         stage.started = False
         outcome = runner.run_all(plan, store, machine, machine.to_dict()["spec"], stage,
-                                 advance=lambda label: setattr(bar, "current_item", label) or bar.render_progress())
+                                 advance=lambda label: setattr(bar, "current_item", label) or bar.render_progress(),
+                                 memory_limit=limit)
         stage("report")
         paths = report.write_report(store.data, store.path.parent)
         bar.update(1)
@@ -461,6 +479,47 @@ def run_command(quick, full, models, out) -> None:
             f"{len(outcome.skipped)} stage(s) skipped"
         click.echo(f"{what}; the report says what is missing and why", err=True)
         sys.exit(outcome.exit_status)
+
+
+def memory_limit_bytes(limit_gib: float | None) -> int | None:
+    from mac_moesd import memory
+
+    return memory.limit_bytes(limit_gib)
+
+
+def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib) -> dict:
+    """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated."""
+    from mac_moesd import hardware, memory, plan
+    from mac_moesd import run as runner
+
+    limit = memory.limit_bytes(memory_limit)
+    if chip:
+        if memory_gib is None:
+            raise click.UsageError("--chip needs --memory GiB (the Mac's RAM)")
+        spec = plan.parse_chip(chip)
+        backend, name = "metal", f"{spec.name} {spec.gpu_cores}c"
+        total = int(memory_gib * memory.GiB)
+        ceiling = memory.working_set_bytes(total)
+        usable = memory.usable_from(ceiling, None, limit,
+                                    "working set of a Mac with this RAM (DESIGN.md section 4); "
+                                    "nothing else assumed running")
+        rates = plan.chip_rates(spec)
+    else:
+        machine = hardware.detect()
+        backend, name, total = machine.backend, machine.chip, machine.memory_bytes
+        if memory_gib is not None:
+            total = int(memory_gib * memory.GiB)
+            ceiling = memory.working_set_bytes(total) if backend == "metal" else total
+            usable = memory.usable_from(ceiling, None, limit, "--memory")
+        else:
+            usable = memory.usable(limit)
+        rates = plan.measured_rates((out or Path("reports")) / machine.slug / "results.json")
+        if rates is None and machine.spec is not None:
+            rates = plan.chip_rates(machine.spec)
+    chosen = runner.default_plan(backend, quick, full)
+    if models:
+        chosen = runner.with_models(chosen, tuple(m.strip() for m in models.split(",") if m.strip()))
+    return plan.dry_run(chosen, backend, name, total, usable, rates)
 
 
 def hardware_slug() -> str:

@@ -311,3 +311,27 @@ def render_compare(doc: dict) -> str:
     note = (f"S(1): predicted SD speedup at batch 1 for the best gamma, alpha={doc['alpha']}. "
             "Figures: " + ", ".join(doc["figures"].values()))
     return table(headers, rows) + "\n" + note
+
+
+def render_plan(doc: dict) -> str:
+    """The dry run: one line per stage, peak memory against usable, and the ETA."""
+    lines = [
+        f"{doc['chip']} ({doc['backend']}, {doc['dtype']}"
+        + (f", {doc['bits']}-bit" if doc["bits"] else "") + f"): memory {gib(doc['memory_bytes'])}, "
+        f"usable {gib(doc['usable_bytes'])}",
+        f"rates: {doc['rates']['bandwidth_bytes_s'] / 1e9:.0f} GB/s, {doc['rates']['flops'] / 1e12:.2f} "
+        f"TFLOP/s ({doc['rates']['source']})",
+        f"{'stage':<28} {'layers':>9} {'peak':>10} {'fits':>5} {'eta':>8}",
+    ]
+    for s in doc["stages"]:
+        layers = "-"
+        if s.get("layers"):
+            layers = "+".join(str(n) for n in s["layers"]) + f"/{s['layers_full']}"
+        if "skipped" in s:
+            lines.append(f"{s['stage']:<28} skipped: {s['skipped']}")
+            continue
+        lines.append(f"{s['stage']:<28} {layers:>9} {gib(s['peak_bytes']):>10} "
+                     f"{'yes' if s['fits'] else 'NO':>5} {s['eta_s']:>7.0f}s")
+    lines.append(f"total ETA {doc['eta_s']:.0f} s ({doc['eta_s'] / 60:.1f} min); "
+                 f"not estimated: {', '.join(doc['not_estimated'])}")
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from mac_moesd import fit, roofline, routing, spec, sweep, timing
+from mac_moesd import fit, memory, roofline, routing, spec, sweep, timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
 
@@ -51,17 +51,21 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
             spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
             spec_repeats=3 if quick else 5, routing_batches=(1, 2, 4, 8, 16, 32),
         )
-    moe = ("qwen1.5-moe-a2.7b", "mixtral-8x7b")
+    # --quick fits about 5 minutes on an 8 GB M1 by the dry run's estimate (mac_moesd/plan.py):
+    # the sparse MoE only, context 256, batches to 8 and two SD batch sizes; the less sparse MoE,
+    # context 512, batch 16-32 and the full SD grid are the default run's.
+    moe = ("qwen1.5-moe-a2.7b",) if quick else ("qwen1.5-moe-a2.7b", "mixtral-8x7b")
     if full:
         moe = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b", "deepseek-v2-lite", "mixtral-8x7b")
     return Plan(
         moe=moe, dense="qwen2.5-3b", draft="qwen2-0.5b",
-        batches=(1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 32),
-        tokens=(1, 2, 3, 4, 6, 8), context=512, bits=4,
+        batches=(1, 2, 4, 8) if quick else (1, 2, 4, 8, 16, 32),
+        tokens=(1, 2, 3, 4, 6, 8), context=256 if quick else 512, bits=4,
         budget=timing.QUICK if quick else timing.Budget(),
         roofline=roofline.QUICK if quick else roofline.RooflineConfig(),
-        spec_batches=(1, 2, 4, 8), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
-        spec_repeats=3 if quick else 5, routing_batches=(1, 2, 4, 8, 16, 32),
+        spec_batches=(1, 4) if quick else (1, 2, 4, 8), spec_gammas=(2, 4),
+        spec_tokens=32 if quick else 64, spec_repeats=3 if quick else 5,
+        routing_batches=(1, 2, 4, 8, 16, 32),
     )
 
 
@@ -126,12 +130,16 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
 
 
 def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
-            stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None
-            ) -> Outcome:
+            stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None,
+            memory_limit: int | None = None) -> Outcome:
     """Measure every missing stage into ``store`` (each saved as soon as it is done). A stage that
-    fails is skipped with its reason; the stages after it still run."""
+    fails is skipped with its reason; the stages after it still run. Each stage plans within the
+    memory usable when it starts, capped by ``memory_limit`` bytes."""
     data = store.data
     outcome = Outcome()
+
+    def usable() -> int:
+        return memory.usable(memory_limit).usable_bytes
 
     def run_stage(label: str, work: Callable[[], None]) -> None:
         stage(label)
@@ -139,7 +147,7 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
 
     def measure_roofline() -> None:
         if "roofline" not in data:
-            roofline.validate(plan.roofline, machine.available_bytes)
+            roofline.validate(plan.roofline, usable())
             data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
             store.save()
 
@@ -154,14 +162,14 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
                                 context=plan.context, bits=plan.bits, budget=plan.budget,
                                 draft=plan.draft if name in plan.moe else None)
         run_stage(f"sweep {name}", lambda cfg=cfg: sweep.run_sweep(
-            cfg, store, machine.available_bytes, _Progress()))
+            cfg, store, usable(), _Progress()))
 
     for name in plan.moe:
         def measure_routing(name=name) -> None:
             if any(k.startswith(f"{name}|") for k in data.get("routing", {})):
                 return
             cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
-            document = routing.run_routing(cfg, machine.available_bytes)
+            document = routing.run_routing(cfg, usable())
             store.put("routing", f"{document['model']}|{document['text']}", document)
 
         run_stage(f"routing {name}", measure_routing)
@@ -191,7 +199,7 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
         cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, bits=plan.bits)
-        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]))
+        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), usable())
         store.put("spec", key, document)
 
     run_stage(f"spec {target}", measure_spec)

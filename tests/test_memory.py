@@ -1,0 +1,154 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from conftest import TINY_BUDGET
+from mlx_lm.models.cache import KVCache
+
+from mac_moesd import hardware, memory, models, sweep
+from mac_moesd.cli import cli
+from mac_moesd.errors import BadInput, MacMoesdError
+
+DATA = Path(__file__).parent / "data"
+GiB = 2**30
+
+
+def test_vm_stat_parser_on_a_recorded_sample():
+    text = (DATA / "vm_stat_m1_8gb.txt").read_text()
+    stats = memory.parse_vm_stat(text)
+    assert stats["page_size"] == 16384
+    assert stats["free"] == 12345 and stats["inactive"] == 137591
+    assert stats["purgeable"] == 4306 and stats["speculative"] == 2117
+    assert stats["wired_down"] == 79213 and "Translation faults" not in stats
+    assert memory.vm_stat_free_bytes(text) == (12345 + 137591 + 4306 + 2117) * 16384
+    assert memory.vm_stat_free_bytes("no header here") is None
+
+
+def test_usable_is_the_smaller_of_ceiling_and_free_less_margin_then_capped():
+    u = memory.usable_from(ceiling=10 * GiB, free=4 * GiB, limit=None, source="t")
+    assert u.usable_bytes == 4 * GiB - int(4 * GiB * memory.MARGIN)
+    assert memory.usable_from(10 * GiB, 40 * GiB, 2 * GiB, "t").usable_bytes == 2 * GiB
+    assert memory.working_set_bytes(8 * GiB) == 8 * GiB * 2 // 3
+    assert memory.working_set_bytes(36 * GiB) == 27 * GiB
+
+
+def test_memory_limit_from_option_or_environment():
+    assert memory.limit_bytes(1.5, {}) == int(1.5 * GiB)
+    assert memory.limit_bytes(None, {memory.ENV_LIMIT: "2"}) == 2 * GiB
+    assert memory.limit_bytes(None, {}) is None
+    with pytest.raises(BadInput, match="not a number"):
+        memory.limit_bytes(None, {memory.ENV_LIMIT: "lots"})
+    with pytest.raises(BadInput, match="> 0"):
+        memory.limit_bytes(0, {})
+
+
+def test_kv_slots_replay_mlx_lm_kvcache_growth():
+    assert memory.KV_STEP == KVCache.step == 256
+    assert memory.kv_slots([512]) == (512, 512)
+    assert memory.kv_slots([512, 1]) == (768, 512 + 768)  # old buffer and the concatenation
+    assert memory.kv_slots([256, 8]) == (512, 768)
+    for forwards in ([512, 1], [100, 200, 3], [256, 8, 1], [300, 300, 300]):
+        cache = KVCache()
+        for n in forwards:
+            kv = mx.zeros((1, 1, n, 2))
+            cache.update_and_fetch(kv, kv)
+        assert memory.kv_slots(forwards)[0] == cache.keys.shape[2], forwards
+
+
+def test_sweep_records_peak_within_its_estimate(tmp_path):
+    from mac_moesd.results import ResultsStore
+
+    meta = {"chip_slug": "test", "backend": "cpu", "versions": {"mlx": mx.__version__}, "blas": {"name": "x"}}
+    cfg = sweep.SweepConfig(model="tiny-moe", batches=(1, 4), tokens=(1, 4), context=300,
+                            budget=TINY_BUDGET, draft="tiny-draft")
+    doc = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", meta), None)
+    for m in [s["memory"] for s in doc["slices"]] + [doc["draft"]["memory"]]:
+        assert 0 < m["peak_bytes"] <= m["estimate_bytes"], m
+        assert m["estimate_bytes"] <= 1.3 * m["peak_bytes"], m  # an estimate, not a blanket margin
+
+
+def test_memory_limit_slices_then_refuses(tmp_path):
+    source = models.resolve("tiny-moe")
+    cfg = sweep.SweepConfig(model="tiny-moe", batches=(1,), tokens=(1,), context=16)
+    two = sweep.estimate_bytes(models.build(source, layers=2), cfg)
+    assert sweep.plan_layers(source, cfg, two) == [1, 2]
+    result = CliRunner().invoke(cli, ["sweep", "tiny-moe", "--batch", "1", "--tokens", "1",
+                                      "--context", "16", "--memory-limit", "0.001", "--out", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.stderr.count("\n") == 1 and "GiB is usable here" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_four_bit_sweep_json_is_one_document(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--bits", "4", "--batch", "1",
+         "--tokens", "1", "--context", "16", "--quick", "--seconds-per-point", "0.01",
+         "--out", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)  # fails on anything printed beside the document
+    assert doc["bits"] == 4 and "[INFO]" in done.stderr
+
+
+def dry_run(*args):
+    result = CliRunner().invoke(cli, ["run", "--quick", "--dry-run", *args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def check_plan(doc):
+    assert {s["stage"] for s in doc["stages"]} >= {"roofline", "sweep qwen1.5-moe-a2.7b",
+                                                    "routing qwen1.5-moe-a2.7b", "spec qwen1.5-moe-a2.7b"}
+    for stage in doc["stages"]:
+        assert "skipped" not in stage, stage
+        assert 0 < stage["peak_bytes"] <= doc["usable_bytes"], stage
+        assert stage["eta_s"] > 0
+    assert doc["eta_s"] == pytest.approx(sum(s["eta_s"] for s in doc["stages"]))
+    assert doc["eta_s"] <= 300
+
+
+def test_quick_plan_fits_a_faked_8gb_m1(monkeypatch):
+    m1 = hardware.lookup_spec("Apple M1", 8)
+    machine = hardware.Machine(chip="Apple M1", gpu_cores=8, memory_bytes=8 * GiB,
+                               available_bytes=None, backend="metal", os="macOS 15", spec=m1,
+                               slug="apple-m1-8c", power_source=None, device_info={})
+    text = (DATA / "vm_stat_m1_8gb.txt").read_text()
+    monkeypatch.setattr(hardware, "detect", lambda: machine)
+    monkeypatch.setattr(memory, "usable", lambda limit=None: memory.usable_from(
+        memory.working_set_bytes(8 * GiB), memory.vm_stat_free_bytes(text) + 2 * GiB, limit, "faked"))
+    doc = dry_run()
+    assert doc["chip"] == "Apple M1" and doc["memory_bytes"] == 8 * GiB
+    assert doc["usable_bytes"] < memory.working_set_bytes(8 * GiB)
+    check_plan(doc)
+    sweep_stage = next(s for s in doc["stages"] if s["stage"] == "sweep qwen1.5-moe-a2.7b")
+    assert sweep_stage["extrapolated"] and sweep_stage["layers"][1] == 2 * sweep_stage["layers"][0]
+
+
+@pytest.mark.parametrize("chip, gib", [("Apple M2", 16), ("Apple M3 Pro 18c", 36)])
+def test_quick_plan_fits_other_macs_by_chip(chip, gib):
+    doc = dry_run("--chip", chip, "--memory", str(gib))
+    assert doc["memory_bytes"] == gib * GiB
+    assert doc["usable_bytes"] == memory.usable_from(memory.working_set_bytes(gib * GiB), None, None, "").usable_bytes
+    check_plan(doc)
+
+
+def test_dry_run_usage_errors():
+    result = CliRunner().invoke(cli, ["run", "--dry-run", "--chip", "Apple M9", "--memory", "8"])
+    assert result.exit_code == 2 and "unknown chip" in result.stderr
+    result = CliRunner().invoke(cli, ["run", "--dry-run", "--chip", "Apple M1"])
+    assert result.exit_code == 2 and "--memory" in result.stderr
+
+
+def test_spec_slices_target_and_drafter_alike_or_refuses():
+    from mac_moesd import spec
+
+    cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=16)
+    target, draft, need = spec.plan_models(cfg, None)
+    assert target.layers == 4 and draft.layers == 2
+    target, draft, need = spec.plan_models(cfg, need["peak_bytes"] - 1)
+    assert target.layers == 2 and draft.layers == 1
+    with pytest.raises(MacMoesdError, match="GiB is usable here"):
+        spec.plan_models(cfg, 1000)
