@@ -293,10 +293,15 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
     steps = len(cfg.sizes) + 4 + len(cfg.dtypes) + 2
     progress = ProgressBar("roofline")
     progress.expect(steps)
+    from mac_moesd import memory
+
+    memory.start_stage()
     try:
         document = roofline.run_roofline(cfg, spec, machine.backend, progress.advance)
     finally:
         progress.close()
+    document["memory"] = memory.record(memory.roofline_estimate(cfg.sizes, cfg.gemv_bytes),
+                                       usable.usable_bytes)
     store.data["roofline"] = document
     store.save()
     document["meta"] = meta

@@ -365,3 +365,9 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
         "logits": logits_bytes(target.config, batch, 2 * gamma + 1) + rejection_bytes(vocab, batch, gamma),
     }
     return phases(**named)
+
+
+def roofline_estimate(sizes: Iterable[int], gemv_bytes: int) -> dict:
+    """Peak of the roofline stage as ``roofline.validate`` budgets it: triad's four arrays of the
+    largest size, or a GEMV weight matrix and its cast."""
+    return phases(stream={"arrays": 4 * max(sizes)}, gemv={"weights": 2 * gemv_bytes})

@@ -147,8 +147,13 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
 
     def measure_roofline() -> None:
         if "roofline" not in data:
-            roofline.validate(plan.roofline, usable())
-            data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
+            budget = usable()
+            roofline.validate(plan.roofline, budget)
+            memory.start_stage()
+            document = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
+            document["memory"] = memory.record(
+                memory.roofline_estimate(plan.roofline.sizes, plan.roofline.gemv_bytes), budget)
+            data["roofline"] = document
             store.save()
 
     run_stage("roofline", measure_roofline)
