@@ -45,6 +45,11 @@ LOGIT_BYTES = 4  # logits counted in float32: the widest dtype mlx-lm models ret
 # ---- what is usable ----
 
 
+def human(nbytes: float) -> str:
+    """Bytes for a message: MiB below 1 GiB, so that a refusal never reads '0.1 needs 0.1'."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.0f} MiB"
+
+
 def parse_vm_stat(text: str) -> dict[str, int]:
     """``vm_stat`` output as {"page_size": bytes, "free": pages, "inactive": pages, ...}."""
     out = {}

@@ -277,8 +277,8 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     need = memory.routing_estimate(built, sequences, cfg.length)
     if not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(
-            f"{source.name} with {built.layers} layers needs about {need['peak_bytes'] / 2**30:.1f} GiB; "
-            f"{available_bytes / 2**30:.1f} GiB is usable here: route a slice with --layers or --bits 4"
+            f"{source.name} with {built.layers} layers needs about {memory.human(need['peak_bytes'])}; "
+            f"{memory.human(available_bytes)} is usable here: route a slice with --layers or --bits 4"
         )
     if not switch_modules(built.model):
         raise MacMoesdError(f"{source.name} has no MoE layers to route")

@@ -207,8 +207,8 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
             return target, draft, need
         if layers == 1:
             raise MacMoesdError(
-                f"SD of {target_src.name} needs about {need['peak_bytes'] / 2**30:.1f} GiB even with "
-                f"one layer; {available_bytes / 2**30:.1f} GiB is usable here: try --bits 4, a "
+                f"SD of {target_src.name} needs about {memory.human(need['peak_bytes'])} even with "
+                f"one layer; {memory.human(available_bytes)} is usable here: try --bits 4, a "
                 "smaller --batch or --context, or a larger --memory-limit")
         layers //= 2
 

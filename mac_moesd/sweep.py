@@ -101,8 +101,8 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
     if not fits(plan[-1]):
         need = estimate_bytes(models.build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
         raise MacMoesdError(
-            f"{source.name} with {plan[-1]} layers needs about {need / 2**30:.1f} GiB but "
-            f"{available / 2**30:.1f} GiB is usable here; try --layers 1, --bits 4, "
+            f"{source.name} with {plan[-1]} layers needs about {memory.human(need)} but "
+            f"{memory.human(available)} is usable here; try --layers 1, --bits 4, "
             "a smaller --batch or --context, or a larger --memory-limit"
         )
     return plan

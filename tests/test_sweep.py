@@ -90,7 +90,7 @@ def test_memory_guard_slices_then_refuses(config_dir):
     assert len(plan) == 2 and plan[1] == 2 * plan[0] and plan[1] < 28
     huge = dict(zoo.by_name("tiny-dense").config, hidden_size=16384, vocab_size=2_000_000)
     source = models.resolve(str(config_dir(huge)))
-    with pytest.raises(MacMoesdError, match="GiB is usable here"):
+    with pytest.raises(MacMoesdError, match="B is usable here"):
         sweep.plan_layers(source, sweep.SweepConfig(model="x", batches=(1,), tokens=(1,)), 2**30)
 
 
