@@ -96,10 +96,11 @@ def cli() -> None:
 @json_option
 def info(as_json: bool) -> None:
     """Chip, backend, memory, published specs and versions."""
-    from mac_moesd import hardware, metadata
+    from mac_moesd import hardware, memory, metadata
 
     machine = hardware.detect()
     document = machine.to_dict()
+    document["usable_memory"] = memory.usable(memory.limit_bytes(None)).to_dict()
     document["blas"] = blas.describe(machine.backend)
     document["versions"] = metadata.versions()
     if document["blas"]["warning"]:
