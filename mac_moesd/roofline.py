@@ -88,14 +88,14 @@ def validate(cfg: RooflineConfig, available_bytes: int | None, cap_bytes: int | 
     """Refuse sizes that are nonsense or would not fit (``peak_bytes``)."""
     if not cfg.sizes or min(cfg.sizes) < 16 * 1024 or any(s % ALIGN for s in cfg.sizes):
         raise BadInput(f"--sizes must be at least 1/64 MiB each, in multiples of {ALIGN} bytes")
-    if max(max(cfg.sizes), cap_bytes or 0) > 4 * kernels.MAX_ELEMENTS:
-        raise BadInput("--sizes above 8 GiB are beyond the kernels' 32-bit element count")
     need = peak_bytes(cfg, cap_bytes)
     if available_bytes is not None and need > available_bytes:
         raise BadInput(
             f"the largest size needs {need / 2**30:.1f} GiB (two arrays and the outputs of its "
             f"timed launches) but {available_bytes / 2**30:.1f} GiB is usable here; lower --max-size"
         )
+    if max(max(cfg.sizes), cap_bytes or 0) > 4 * kernels.MAX_ELEMENTS:
+        raise BadInput("--sizes above 8 GiB are beyond the kernels' 32-bit element count")
 
 
 def _gbs(nbytes: float, seconds: float) -> float:
