@@ -135,10 +135,11 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
             "triad": ((lambda i: k.triad(a, b, mx.array(3.0 + i, dtype=mx.float32))), size, 3 * size),
         }
         measured = timed(cfg, rng, {op: (fn, out) for op, (fn, out, _) in ops.items()})
-        for op, (_, _, moved) in ops.items():
+        for op, (_, out, moved) in ops.items():
             m, launches = measured[op]
+            # the K outputs are live together: a small size's launches no longer fit its caches
             rows.append({"op": op, "bytes": size, "moved_bytes": moved, **_row(m, launches),
-                         "gbs": _gbs(moved, m.median_s)})
+                         "live_output_bytes": launches * out, "gbs": _gbs(moved, m.median_s)})
         progress(f"stream {size // MiB} MiB")
         del a, b
     return rows
