@@ -79,10 +79,11 @@ _M5_PRO_MAX = (
 # Mac Mini Unleashed", Nov 2020) gives 4266e6 * 16 B = 68.25 GB/s.
 _M1_BW = _M1 + "; bandwidth from LPDDR4X-4266 x 128-bit (AnandTech M1 review)"
 # Apple's newsroom releases state FP32 TFLOPS for M1 only (2.6); the M1 Pro/Max/Ultra and M2
-# figures are from Apple's launch presentations and the M2 Pro/Max/Ultra ones scale M2's by cores,
-# so those entries say so in ``derived``. M3, M4 and M5 tiers carry None.
+# figures are from Apple's launch presentations, and the M2 Pro/Max/Ultra ones are derived from the
+# core count, so those entries say so in ``derived``. M3, M4 and M5 tiers carry None.
 _EVENT = "FP32 TFLOPS from Apple's launch presentation; the newsroom release states cores and bandwidth only"
-_M2_SCALED = "FP32 TFLOPS scaled from M2's 3.6 by GPU core count; the release states cores and bandwidth only"
+_M2_DERIVED = ("FP32 TFLOPS derived from the core count (cores x 128 FP32 lanes x 2 FLOP x ~1.4 GHz), "
+               "not stated by Apple; the release states cores and bandwidth only")
 _TIER = "this core count is from the Mac's tech specs; the release states the full tier"
 
 
@@ -102,12 +103,12 @@ APPLE_CHIPS: tuple[ChipSpec, ...] = (
     _spec("Apple M1 Ultra", 48, 800, 21.0 * 48 / 64, _M1_ULTRA, f"{_SCALED}; {_EVENT}; {_TIER}"),
     _spec("Apple M2", 10, 100, 3.6, _M2, _EVENT),
     _spec("Apple M2", 8, 100, 3.6 * 8 / 10, _M2, f"{_SCALED}; {_EVENT}; {_TIER}"),
-    _spec("Apple M2 Pro", 19, 200, 3.6 * 19 / 10, _M2_PRO_MAX, _M2_SCALED),
-    _spec("Apple M2 Pro", 16, 200, 3.6 * 16 / 10, _M2_PRO_MAX, f"{_M2_SCALED}; {_TIER}"),
-    _spec("Apple M2 Max", 38, 400, 3.6 * 38 / 10, _M2_PRO_MAX, _M2_SCALED),
-    _spec("Apple M2 Max", 30, 400, 3.6 * 30 / 10, _M2_PRO_MAX, f"{_M2_SCALED}; {_TIER}"),
-    _spec("Apple M2 Ultra", 76, 800, 3.6 * 76 / 10, _M2_ULTRA, _M2_SCALED),
-    _spec("Apple M2 Ultra", 60, 800, 3.6 * 60 / 10, _M2_ULTRA, f"{_M2_SCALED}; {_TIER}"),
+    _spec("Apple M2 Pro", 19, 200, 6.8, _M2_PRO_MAX, _M2_DERIVED),
+    _spec("Apple M2 Pro", 16, 200, 6.8 * 16 / 19, _M2_PRO_MAX, f"{_SCALED}; {_M2_DERIVED}; {_TIER}"),
+    _spec("Apple M2 Max", 38, 400, 13.6, _M2_PRO_MAX, _M2_DERIVED),
+    _spec("Apple M2 Max", 30, 400, 13.6 * 30 / 38, _M2_PRO_MAX, f"{_SCALED}; {_M2_DERIVED}; {_TIER}"),
+    _spec("Apple M2 Ultra", 76, 800, 27.2, _M2_ULTRA, _M2_DERIVED),
+    _spec("Apple M2 Ultra", 60, 800, 27.2 * 60 / 76, _M2_ULTRA, f"{_SCALED}; {_M2_DERIVED}; {_TIER}"),
     _spec("Apple M3", 10, 100, None, _M3),
     _spec("Apple M3", 8, 100, None, _M3),
     _spec("Apple M3 Pro", 18, 150, None, _M3),
