@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import re
 import subprocess
@@ -377,9 +376,10 @@ def native_python_problem(system: str, machine: str, translated: str) -> str | N
 
 def require_native_python() -> None:
     """Raise MacMoesdError on an Intel Mac or a Rosetta Python, before anything imports MLX."""
-    system = platform.system()
-    translated = _run(["sysctl", "-n", "sysctl.proc_translated"]) if system == "Darwin" else ""
-    problem = native_python_problem(system, platform.machine(), translated)
+    system, machine = platform.system(), platform.machine()
+    # an arm64 process is never translated: ask sysctl only about an x86_64 one
+    translated = _run(["sysctl", "-n", "sysctl.proc_translated"]) if (system, machine) == ("Darwin", "x86_64") else ""
+    problem = native_python_problem(system, machine, translated)
     if problem:
         raise MacMoesdError(problem)
 

@@ -129,10 +129,10 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
         verify_stream(k, a, b, 3.0)
         read_out = kernels.GRID_THREADS * 4 if k.paths["read"] == "metal" else size // kernels.READ_ROW
         ops = {
-            "read": ((lambda i: k.read(a)), read_out, size),
-            "copy": ((lambda i: k.copy(a)), size, 2 * size),
+            "read": ((lambda i, a=a: k.read(a)), read_out, size),
+            "copy": ((lambda i, a=a: k.copy(a)), size, 2 * size),
             # a distinct scalar per triad launch; read and copy launches are distinct graph nodes
-            "triad": ((lambda i: k.triad(a, b, mx.array(3.0 + i, dtype=mx.float32))), size, 3 * size),
+            "triad": ((lambda i, a=a, b=b: k.triad(a, b, mx.array(3.0 + i, dtype=mx.float32))), size, 3 * size),
         }
         measured = timed(cfg, rng, {op: (fn, out) for op, (fn, out, _) in ops.items()})
         for op, (_, out, moved) in ops.items():
@@ -141,7 +141,7 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
             rows.append({"op": op, "bytes": size, "moved_bytes": moved, **_row(m, launches),
                          "live_output_bytes": launches * out, "gbs": _gbs(moved, m.median_s)})
         progress(f"stream {size // MiB} MiB")
-        del a, b
+        del a, b, ops  # free this size's arrays before the next size allocates
     return rows
 
 
