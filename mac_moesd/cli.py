@@ -12,7 +12,7 @@ import click
 
 from mac_moesd import __version__, blas, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_spec, render_sweep, render_theory, render_zoo
+from mac_moesd.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -105,6 +105,8 @@ def info(as_json: bool) -> None:
     document["versions"] = metadata.versions()
     if document["blas"]["warning"]:
         warn(document["blas"]["warning"])
+    for message in machine.warnings:
+        warn(message)
     emit(document, as_json, render_info)
 
 
@@ -214,6 +216,8 @@ def open_store(out: Path | None, per_chip: bool = False):
     meta = metadata.collect(machine)
     if meta["blas"]["warning"]:
         warn(meta["blas"]["warning"])
+    for message in machine.warnings:
+        warn(message)
     folder = (out or Path("reports")) / machine.slug if per_chip or out is None else out
     return machine, meta, ResultsStore(folder / "results.json", meta)
 
@@ -571,7 +575,34 @@ def compare_command(folders, reference, out, as_json) -> None:
     emit(document, as_json, render_compare)
 
 
+@cli.command(name="selftest")
+@json_option
+def selftest_command(as_json: bool) -> None:
+    """Check this machine first (under a minute): each kernel against its reference, K-launch
+    timing, the memory guard and results files. Attach the output to a bug report."""
+    from mac_moesd import hardware, metadata, selftest
+
+    machine = hardware.detect()
+    for message in machine.warnings:
+        warn(message)
+    outcomes = selftest.run()
+    document = {"chip": machine.chip, "backend": machine.backend, "os": machine.os,
+                "versions": metadata.versions(), "warnings": machine.warnings,
+                "passed": all(o.status != "FAIL" for o in outcomes),
+                "checks": [o.to_dict() for o in outcomes]}
+    emit(document, as_json, render_selftest)
+    if not document["passed"]:
+        sys.exit(1)
+
+
 def main() -> None:
+    from mac_moesd import hardware
+
+    try:
+        hardware.require_native_python()  # before any command imports MLX
+    except MacMoesdError as err:
+        click.echo(f"Error: {err}", err=True)
+        sys.exit(1)
     cli()
 
 

@@ -35,6 +35,15 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def render_selftest(doc: dict) -> str:
+    lines = [f"mac-moesd selftest on {doc['chip']} ({doc['backend']}; mlx {doc['versions'].get('mlx')}, "
+             f"mac-moesd {doc['versions'].get('mac_moesd')})"]
+    lines += [f"{c['status']:<4}  {c['check']}: {c['detail']} ({c['seconds']:.1f} s)" for c in doc["checks"]]
+    failed = sum(c["status"] == "FAIL" for c in doc["checks"])
+    lines.append(f"{failed} of {len(doc['checks'])} checks failed" if failed else "all checks passed")
+    return "\n".join(lines)
+
+
 def render_info(doc: dict) -> str:
     spec = doc["spec"]
     blas = doc["blas"]
@@ -48,7 +57,12 @@ def render_info(doc: dict) -> str:
         f"memory:      {gib(doc['memory_bytes'])}, usable for a measurement {gib(doc['available_bytes'])}",
     ]
     if doc["power_source"]:
-        lines.append(f"power:       {doc['power_source']}")
+        lines.append(f"power:       {doc['power_source']}"
+                     + (", Low Power Mode on" if doc.get("low_power_mode") else ""))
+    if doc.get("thermal"):
+        thermal = doc["thermal"]
+        lines.append(f"thermal:     CPU speed limit {thermal['speed_limit']}%"
+                     + "".join(f"; {w}" for w in thermal["warnings"]))
     if spec:
         ridge = spec["ridge_flop_per_byte"]
         lines += [

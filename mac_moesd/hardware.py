@@ -6,13 +6,18 @@ they are tested on recorded samples; the ``detect`` function runs the commands.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import re
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
-__all__ = ["APPLE_CHIPS", "ChipSpec", "Machine", "chip_slug", "detect", "lookup_spec"]
+from mac_moesd.errors import MacMoesdError
+
+__all__ = ["APPLE_CHIPS", "ChipSpec", "Machine", "chip_slug", "detect", "lookup_spec", "measuring_stage",
+           "native_python_problem", "power_warnings", "require_native_python"]
 
 
 @dataclass(frozen=True)
@@ -63,10 +68,22 @@ _M4_PRO_MAX = (
     " and the MacBook Pro (Nov 2024) tech specs"
 )
 _M5 = "https://www.apple.com/newsroom/2025/10/apple-unleashes-m5-the-next-big-leap-in-ai-performance-for-apple-silicon/"
+# "up to" 20-core GPU and 307GB/s (M5 Pro), 40-core GPU and 614GB/s (M5 Max), March 2026; binned
+# tiers are not on this page, so they are not in the table (their lookup finds no spec).
+_M5_PRO_MAX = (
+    "https://www.apple.com/newsroom/2026/03/"
+    "apple-debuts-m5-pro-and-m5-max-to-supercharge-the-most-demanding-pro-workflows/"
+)
 # M1's bandwidth is not in Apple's release: LPDDR4X-4266 on a 128-bit bus (AnandTech, "The 2020
 # Mac Mini Unleashed", Nov 2020) gives 4266e6 * 16 B = 68.25 GB/s.
 _M1_BW = _M1 + "; bandwidth from LPDDR4X-4266 x 128-bit (AnandTech M1 review)"
-# Apple published FP32 TFLOPS for M1 and M2 tiers only; M3, M4 and M5 tiers carry None.
+# Apple's newsroom releases state FP32 TFLOPS for M1 only (2.6); the M1 Pro/Max/Ultra and M2
+# figures are from Apple's launch presentations, and the M2 Pro/Max/Ultra ones are derived from the
+# core count, so those entries say so in ``derived``. M3, M4 and M5 tiers carry None.
+_EVENT = "FP32 TFLOPS from Apple's launch presentation; the newsroom release states cores and bandwidth only"
+_M2_DERIVED = ("FP32 TFLOPS derived from the core count (cores x 128 FP32 lanes x 2 FLOP x ~1.4 GHz), "
+               "not stated by Apple; the release states cores and bandwidth only")
+_TIER = "this core count is from the Mac's tech specs; the release states the full tier"
 
 
 def _spec(name, cores, gbs, tflops, source, derived=""):
@@ -77,20 +94,20 @@ def _spec(name, cores, gbs, tflops, source, derived=""):
 APPLE_CHIPS: tuple[ChipSpec, ...] = (
     _spec("Apple M1", 8, 68.25, 2.6, _M1_BW),
     _spec("Apple M1", 7, 68.25, 2.6 * 7 / 8, _M1_BW, _SCALED),
-    _spec("Apple M1 Pro", 16, 200, 5.2, _M1_PRO_MAX),
-    _spec("Apple M1 Pro", 14, 200, 5.2 * 14 / 16, _M1_PRO_MAX, _SCALED),
-    _spec("Apple M1 Max", 32, 400, 10.4, _M1_PRO_MAX),
-    _spec("Apple M1 Max", 24, 400, 10.4 * 24 / 32, _M1_PRO_MAX, _SCALED),
-    _spec("Apple M1 Ultra", 64, 800, 21.0, _M1_ULTRA),
-    _spec("Apple M1 Ultra", 48, 800, 21.0 * 48 / 64, _M1_ULTRA, _SCALED),
-    _spec("Apple M2", 10, 100, 3.6, _M2),
-    _spec("Apple M2", 8, 100, 3.6 * 8 / 10, _M2, _SCALED),
-    _spec("Apple M2 Pro", 19, 200, 6.8, _M2_PRO_MAX),
-    _spec("Apple M2 Pro", 16, 200, 6.8 * 16 / 19, _M2_PRO_MAX, _SCALED),
-    _spec("Apple M2 Max", 38, 400, 13.6, _M2_PRO_MAX),
-    _spec("Apple M2 Max", 30, 400, 13.6 * 30 / 38, _M2_PRO_MAX, _SCALED),
-    _spec("Apple M2 Ultra", 76, 800, 27.2, _M2_ULTRA),
-    _spec("Apple M2 Ultra", 60, 800, 27.2 * 60 / 76, _M2_ULTRA, _SCALED),
+    _spec("Apple M1 Pro", 16, 200, 5.2, _M1_PRO_MAX, _EVENT),
+    _spec("Apple M1 Pro", 14, 200, 5.2 * 14 / 16, _M1_PRO_MAX, f"{_SCALED}; {_EVENT}; {_TIER}"),
+    _spec("Apple M1 Max", 32, 400, 10.4, _M1_PRO_MAX, _EVENT),
+    _spec("Apple M1 Max", 24, 400, 10.4 * 24 / 32, _M1_PRO_MAX, f"{_SCALED}; {_EVENT}; {_TIER}"),
+    _spec("Apple M1 Ultra", 64, 800, 21.0, _M1_ULTRA, _EVENT),
+    _spec("Apple M1 Ultra", 48, 800, 21.0 * 48 / 64, _M1_ULTRA, f"{_SCALED}; {_EVENT}; {_TIER}"),
+    _spec("Apple M2", 10, 100, 3.6, _M2, _EVENT),
+    _spec("Apple M2", 8, 100, 3.6 * 8 / 10, _M2, f"{_SCALED}; {_EVENT}; {_TIER}"),
+    _spec("Apple M2 Pro", 19, 200, 6.8, _M2_PRO_MAX, _M2_DERIVED),
+    _spec("Apple M2 Pro", 16, 200, 6.8 * 16 / 19, _M2_PRO_MAX, f"{_SCALED}; {_M2_DERIVED}; {_TIER}"),
+    _spec("Apple M2 Max", 38, 400, 13.6, _M2_PRO_MAX, _M2_DERIVED),
+    _spec("Apple M2 Max", 30, 400, 13.6 * 30 / 38, _M2_PRO_MAX, f"{_SCALED}; {_M2_DERIVED}; {_TIER}"),
+    _spec("Apple M2 Ultra", 76, 800, 27.2, _M2_ULTRA, _M2_DERIVED),
+    _spec("Apple M2 Ultra", 60, 800, 27.2 * 60 / 76, _M2_ULTRA, f"{_SCALED}; {_M2_DERIVED}; {_TIER}"),
     _spec("Apple M3", 10, 100, None, _M3),
     _spec("Apple M3", 8, 100, None, _M3),
     _spec("Apple M3 Pro", 18, 150, None, _M3),
@@ -98,14 +115,16 @@ APPLE_CHIPS: tuple[ChipSpec, ...] = (
     _spec("Apple M3 Max", 40, 400, None, _M3),
     _spec("Apple M3 Max", 30, 300, None, _M3),  # binned M3 Max: narrower memory bus
     _spec("Apple M3 Ultra", 80, 819, None, _M3_ULTRA),
-    _spec("Apple M3 Ultra", 60, 819, None, _M3_ULTRA),
+    _spec("Apple M3 Ultra", 60, 819, None, _M3_ULTRA, _TIER),
     _spec("Apple M4", 10, 120, None, _M4),
-    _spec("Apple M4", 8, 120, None, _M4),
+    _spec("Apple M4", 8, 120, None, _M4, _TIER),
     _spec("Apple M4 Pro", 20, 273, None, _M4_PRO_MAX),
     _spec("Apple M4 Pro", 16, 273, None, _M4_PRO_MAX),
     _spec("Apple M4 Max", 40, 546, None, _M4_PRO_MAX),
     _spec("Apple M4 Max", 32, 410, None, _M4_PRO_MAX),  # binned M4 Max: narrower memory bus
     _spec("Apple M5", 10, 153, None, _M5),
+    _spec("Apple M5 Pro", 20, 307, None, _M5_PRO_MAX),
+    _spec("Apple M5 Max", 40, 614, None, _M5_PRO_MAX),
 )
 
 
@@ -163,6 +182,44 @@ def parse_power_source(text: str) -> str | None:
     return match.group(1) if match else None
 
 
+def parse_low_power_mode(text: str) -> bool | None:
+    """Low Power Mode from `pmset -g`: "lowpowermode 1", or "powermode 1" (0 automatic, 1 low,
+    2 high) on Macs that also offer High Power Mode; None when neither line is there."""
+    match = re.search(r"^\s*(low)?powermode\s+(\d+)\s*$", text, flags=re.MULTILINE)
+    if not match:
+        return None
+    return int(match.group(2)) == 1
+
+
+def parse_thermal(text: str) -> dict | None:
+    """Thermal state from `pmset -g therm`: ``speed_limit`` (CPU_Speed_Limit, percent; 100 when
+    no CPU power status was recorded) and ``warnings`` (recorded thermal/performance warning
+    lines). None when the output is not pmset's."""
+    if not re.search(r"warning level|CPU_Speed_Limit|CPU power status", text, flags=re.IGNORECASE):
+        return None
+    match = re.search(r"CPU_Speed_Limit\s*=\s*(\d+)", text)
+    warnings = [line.strip() for line in text.splitlines()
+                if re.search(r"warning level", line, flags=re.IGNORECASE)
+                and not re.search(r"\bno\b.*has been recorded", line, flags=re.IGNORECASE)]
+    return {"speed_limit": int(match.group(1)) if match else 100, "warnings": warnings}
+
+
+def power_warnings(power_source: str | None, low_power_mode: bool | None, thermal: dict | None) -> list[str]:
+    """What about this machine's power state makes timings unlike a plugged-in, cool Mac's."""
+    out = []
+    if power_source == "Battery Power":
+        out.append("running on battery: macOS may lower clocks and memory bandwidth; plug in power "
+                   "and rerun for numbers comparable with other Macs")
+    if low_power_mode:
+        out.append("Low Power Mode is on: clocks are capped; turn it off (System Settings > Battery "
+                   "> Low Power Mode, or `sudo pmset -a lowpowermode 0`) and rerun")
+    if thermal and (thermal["speed_limit"] < 100 or thermal["warnings"]):
+        detail = "; ".join([f"CPU speed limit {thermal['speed_limit']}%", *thermal["warnings"]])
+        out.append(f"the Mac is thermally throttled ({detail}): let it cool down, keep it on a hard "
+                   "surface, close other heavy apps, then rerun")
+    return out
+
+
 _CPU_NOISE = re.compile(
     r"\(r\)|\(tm\)|\bprocessor\b|\bcpu\b|@.*$|\b\d+-core\b|\bwith radeon.*$", re.IGNORECASE
 )
@@ -184,12 +241,20 @@ def chip_slug(chip: str, gpu_cores: int | None, backend: str) -> str:
 # ---- detection (runs commands) ----
 
 
+# Absolute paths, so detection works under a minimal PATH (launchd, cron, IDEs); the bare name
+# is tried when a tool has moved.
+TOOLS = {"sysctl": "/usr/sbin/sysctl", "system_profiler": "/usr/sbin/system_profiler",
+         "ioreg": "/usr/sbin/ioreg", "pmset": "/usr/bin/pmset"}
+
+
 def _run(args: list[str]) -> str:
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout
+    for tool in dict.fromkeys([TOOLS.get(args[0], args[0]), args[0]]):
+        try:
+            done = subprocess.run([tool, *args[1:]], capture_output=True, text=True, timeout=20, check=False)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return done.stdout
+    return ""
 
 
 def _read(path: str) -> str:
@@ -212,6 +277,9 @@ class Machine:
     slug: str
     power_source: str | None
     device_info: dict
+    low_power_mode: bool | None = None
+    thermal: dict | None = None
+    warnings: list[str] = field(default_factory=list)  # power and thermal state, with advice
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -247,8 +315,11 @@ def detect() -> Machine:
     info = _mlx_device_info()
     system = platform.system()
     power = None
+    low_power = thermal = None
     if system == "Darwin":
-        chip = _run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip() or platform.processor()
+        # MLX's device name ("Apple M3 Max") when sysctl cannot be run at all
+        chip = (_run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()
+                or str(info.get("device_name") or "") or platform.processor())
         cores = parse_gpu_cores_system_profiler(
             _run(["system_profiler", "SPDisplaysDataType", "-json"])
         ) or parse_gpu_cores_ioreg(_run(["ioreg", "-rc", "AGXAccelerator", "-d", "1"]))
@@ -256,6 +327,8 @@ def detect() -> Machine:
         memory = int(memsize) if memsize.isdigit() else info.get("memory_size")
         available = info.get("max_recommended_working_set_size") or memory
         power = parse_power_source(_run(["pmset", "-g", "batt"]))
+        low_power = parse_low_power_mode(_run(["pmset", "-g"]))
+        thermal = parse_thermal(_run(["pmset", "-g", "therm"]))
         spec = lookup_spec(chip, cores)
     else:
         chip = parse_cpuinfo_model(_read("/proc/cpuinfo")) or platform.processor() or "unknown"
@@ -281,4 +354,48 @@ def detect() -> Machine:
         slug=chip_slug(chip, cores, backend),
         power_source=power,
         device_info=info,
+        low_power_mode=low_power,
+        thermal=thermal,
+        warnings=power_warnings(power, low_power, thermal),
     )
+
+
+def native_python_problem(system: str, machine: str, translated: str) -> str | None:
+    """Why this Python cannot run mac-moesd on a Mac, or None: MLX ships for arm64 macOS only,
+    and ``sysctl.proc_translated`` is "1" in a process Rosetta 2 translates."""
+    if system != "Darwin":
+        return None
+    if translated.strip() == "1":
+        return ("mac-moesd needs a native arm64 Python: this one runs under Rosetta (x86_64); "
+                "install an arm64 Python (e.g. from python.org or `brew` in /opt/homebrew) and reinstall")
+    if machine == "x86_64":
+        return ("mac-moesd needs a native arm64 Python on an Apple-silicon Mac: MLX does not run on "
+                "Intel Macs or x86_64 Python")
+    return None
+
+
+def require_native_python() -> None:
+    """Raise MacMoesdError on an Intel Mac or a Rosetta Python, before anything imports MLX."""
+    system, machine = platform.system(), platform.machine()
+    # an arm64 process is never translated: ask sysctl only about an x86_64 one
+    translated = _run(["sysctl", "-n", "sysctl.proc_translated"]) if (system, machine) == ("Darwin", "x86_64") else ""
+    problem = native_python_problem(system, machine, translated)
+    if problem:
+        raise MacMoesdError(problem)
+
+
+@contextlib.contextmanager
+def measuring_stage() -> Iterator[dict]:
+    """Device state for one measuring stage, restored in ``finally``.
+
+    On Metal the wired limit is raised to the recommended working set for the stage, as mlx-lm
+    wires it around generation: ``mlx_lm.generate.wired_limit`` is reused (with no model, so its
+    near-limit warning, printed on stdout, never fires) and restores the previous limit. The
+    yielded dict records the limit set (None off Metal) for the stage's results.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import wired_limit
+
+    limit = mx.device_info().get("max_recommended_working_set_size") if mlx_backend() == "metal" else None
+    with wired_limit([]):
+        yield {"wired_limit_bytes": limit}

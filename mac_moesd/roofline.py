@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
-from mac_moesd import kernels, theory, timing
+from mac_moesd import hardware, kernels, theory, timing
 from mac_moesd.errors import BadInput
 
 __all__ = ["RooflineConfig", "knee_tokens", "run_roofline"]
@@ -35,6 +36,7 @@ class RooflineConfig:
     plateau_from: int = 256 * MiB  # sizes at or above this count as "far past the caches"
     budget: timing.Budget = field(default_factory=timing.Budget)
     fma_iterations: int = 4096
+    min_eval_s: float = timing.MIN_EVAL_S  # K launches per timed eval last at least this
 
 
 QUICK = RooflineConfig(
@@ -49,88 +51,133 @@ QUICK = RooflineConfig(
 )
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+GEMV_COLS = 4096
 
 
 ALIGN = 4 * kernels.READ_ROW  # array sizes are whole rows of the read twin
+# What a check holds besides the arrays it compares: a few chunk-sized temporaries (kernels.check).
+CHECK_TEMP_BYTES = 8 * kernels.CHECK_CHUNK * 4
 
 
 def sizes_from_mib(mib: tuple[float, ...]) -> tuple[int, ...]:
     return tuple(max(int(s * MiB) // ALIGN * ALIGN, ALIGN) for s in mib)
 
 
+def launch_bytes(cfg: RooflineConfig, cap_bytes: int | None = None) -> int:
+    """Bytes the K outputs of one timed eval may hold (K is capped to fit): two of the largest
+    arrays, and at least 1 GiB so a 128 MiB copy still gets several launches."""
+    return max(2 * max(max(cfg.sizes), cap_bytes or 0), 2**30)
+
+
+def peak_bytes(cfg: RooflineConfig, cap_bytes: int | None = None) -> int:
+    """The most the roofline holds at once: its largest step, as each function below allocates.
+
+    stream: arrays a and b, then either K launch outputs or one verified output plus chunked
+    check temporaries; gemv: the weight in float32 plus its quantized copy (at most 1.5x);
+    matmul: two n x n float32 operands plus K outputs.
+    """
+    big = max(max(cfg.sizes), cap_bytes or 0)
+    allowance = launch_bytes(cfg, cap_bytes)
+    stream = 2 * big + max(allowance, big + CHECK_TEMP_BYTES)
+    gemv = max(cfg.gemv_bytes, GEMV_COLS * 4 * 64) * 3 // 2
+    matmul = 2 * cfg.matmul_n**2 * 4 + allowance
+    return max(stream, gemv, matmul)
+
+
 def validate(cfg: RooflineConfig, available_bytes: int | None, cap_bytes: int | None = None) -> None:
-    """Refuse sizes that are nonsense or would not fit (triad holds four arrays at once)."""
+    """Refuse sizes that are nonsense or would not fit (``peak_bytes``)."""
     if not cfg.sizes or min(cfg.sizes) < 16 * 1024 or any(s % ALIGN for s in cfg.sizes):
         raise BadInput(f"--sizes must be at least 1/64 MiB each, in multiples of {ALIGN} bytes")
-    need = 4 * max(max(cfg.sizes), cap_bytes or 0)
+    need = peak_bytes(cfg, cap_bytes)
     if available_bytes is not None and need > available_bytes:
         raise BadInput(
-            f"the largest size needs {need / 2**30:.1f} GiB (four arrays) but "
-            f"{available_bytes / 2**30:.1f} GiB is usable here; lower --max-size"
+            f"the largest size needs {need / 2**30:.1f} GiB (two arrays and the outputs of its "
+            f"timed launches) but {available_bytes / 2**30:.1f} GiB is usable here; lower --max-size"
         )
+    if max(max(cfg.sizes), cap_bytes or 0) > 4 * kernels.MAX_ELEMENTS:
+        raise BadInput("--sizes above 8 GiB are beyond the kernels' 32-bit element count")
 
 
 def _gbs(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def timed(cfg: RooflineConfig, rng, points: dict[str, tuple[Callable[[int], Any], int]]) -> dict:
+    """Calibrate K for each point (``points[key]`` is ``(launch, output bytes per launch)``, K
+    capped so the outputs fit ``launch_bytes``), time them together, per-launch results."""
+    cap = launch_bytes(cfg)
+    ks = {key: timing.calibrate(fn, max(1, min(timing.MAX_LAUNCHES, cap // max(out, 1))), cfg.min_eval_s)
+          for key, (fn, out) in points.items()}
+    measured = timing.measure({key: timing.launches(fn, ks[key]) for key, (fn, _) in points.items()},
+                              cfg.budget, rng)
+    return {key: (timing.per_launch(measured[key], ks[key]), ks[key]) for key in points}
+
+
+def _row(m: timing.Measurement, k: int) -> dict:
+    return {"median_s": m.median_s, "cv": m.cv, "repeats": m.repeats, "launches": k,
+            "eval_median_s": m.median_s * k}
+
+
 def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list[dict]:
     """read, copy, triad at every size; each result verified before its time is kept."""
     rows = []
-    triad_twin = mx.compile(kernels.triad_twin)  # fused: 3 arrays moved, as STREAM counts
     for size in cfg.sizes:
         n = size // 4
         a = mx.random.uniform(shape=(n,))
         b = mx.random.uniform(shape=(n,))
         mx.eval(a, b)
-        s = 3.0
+        verify_stream(k, a, b, 3.0)
+        read_out = kernels.GRID_THREADS * 4 if k.paths["read"] == "metal" else size // kernels.READ_ROW
         ops = {
-            "read": (lambda: k.read(a), size),
-            "copy": (lambda: k.copy(a), 2 * size),
-            "triad": (lambda: k.triad(a, b, s) if k.path == "metal" else triad_twin(a, b, s), 3 * size),
+            "read": ((lambda i, a=a: k.read(a)), read_out, size),
+            "copy": ((lambda i, a=a: k.copy(a)), size, 2 * size),
+            # a distinct scalar per triad launch; read and copy launches are distinct graph nodes
+            "triad": ((lambda i, a=a, b=b: k.triad(a, b, mx.array(3.0 + i, dtype=mx.float32))), size, 3 * size),
         }
-        verify_stream(k, a, b, s, triad_twin)
-        measured = timing.measure({op: timing.Point(fn) for op, (fn, _) in ops.items()}, cfg.budget, rng)
-        for op, (_, moved) in ops.items():
-            m = measured[op]
-            rows.append({"op": op, "bytes": size, "moved_bytes": moved, "median_s": m.median_s,
-                         "cv": m.cv, "repeats": m.repeats, "gbs": _gbs(moved, m.median_s)})
+        measured = timed(cfg, rng, {op: (fn, out) for op, (fn, out, _) in ops.items()})
+        for op, (_, out, moved) in ops.items():
+            m, launches = measured[op]
+            # the K outputs are live together: a small size's launches no longer fit its caches
+            rows.append({"op": op, "bytes": size, "moved_bytes": moved, **_row(m, launches),
+                         "live_output_bytes": launches * out, "gbs": _gbs(moved, m.median_s)})
         progress(f"stream {size // MiB} MiB")
-        del a, b
+        del a, b, ops  # free this size's arrays before the next size allocates
     return rows
 
 
-def verify_stream(k: kernels.Kernels, a, b, s, triad_twin) -> None:
-    """STREAM's validation: every kernel's output against numpy on the same arrays."""
-    a_np, b_np = np.array(a), np.array(b)
-    partials = np.asarray(k.read(a), dtype=np.float64)
-    kernels.check("read", partials.sum(), a_np.astype(np.float64).sum(), rtol=1e-5)
-    kernels.check("copy", k.copy(a), a_np)
-    triad = k.triad(a, b, s) if k.path == "metal" else triad_twin(a, b, s)
-    kernels.check("triad", triad, a_np + np.float32(s) * b_np)
+def verify_stream(k: kernels.Kernels, a, b, s: float) -> None:
+    """STREAM's validation: every kernel's output against a reference on the same arrays, on the
+    device a chunk at a time (one output array at most, never a host copy of the inputs)."""
+    partials = np.asarray(k.read(a), dtype=np.float64)  # per thread or per row: small
+    kernels.check("read", [partials.sum()], [kernels.exact_sum(a)], rtol=1e-5)
+    del partials
+    kernels.check("copy", k.copy(a), a, rtol=0.0)
+    kernels.check("triad", k.triad(a, b, s),
+                  lambda lo, hi: kernels.triad_twin(a[lo:hi], b[lo:hi], s))
 
 
-def gemv_bandwidth(cfg: RooflineConfig, rng, progress) -> dict[str, dict]:
-    """Weight-read bandwidth of x @ W.T for one token: what a decode step streams."""
-    cols = 4096
+def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[str, dict]:
+    """Weight-read bandwidth of x @ W.T for one token: what a decode step streams. Quantized
+    weights are quantized from ``compute_dtype``, the dtype models run in, so scales, biases and
+    the activation keep it (a float32 source would time the float32 kernel on a GPU)."""
     out = {}
     for label, dtype, bits in (("float32", mx.float32, None), ("float16", mx.float16, None),
-                               ("q8", mx.float32, 8), ("q4", mx.float32, 4)):
-        rows = max(cfg.gemv_bytes // (cols * 4), 64)
-        w = mx.random.normal((rows, cols)).astype(dtype)
-        x = mx.random.normal((1, cols)).astype(dtype)
+                               ("q8", compute_dtype, 8), ("q4", compute_dtype, 4)):
+        rows = max(cfg.gemv_bytes // (GEMV_COLS * 4), 64)
+        w = mx.random.normal((rows, GEMV_COLS), dtype=dtype)
+        x = mx.random.normal((1, GEMV_COLS), dtype=dtype)
         if bits is None:
             mx.eval(w, x)
-            fn, nbytes = (lambda w=w, x=x: x @ w.T), w.nbytes
+            fn, nbytes = (lambda i, w=w, x=x: x @ w.T), w.nbytes
         else:
             wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
             mx.eval(wq, scales, biases, x)
             del w
-            fn = lambda wq=wq, s=scales, b=biases, x=x, bits=bits: mx.quantized_matmul(  # noqa: E731
+            fn = lambda i, wq=wq, s=scales, b=biases, x=x, bits=bits: mx.quantized_matmul(  # noqa: E731
                 x, wq, s, b, transpose=True, group_size=64, bits=bits)
             nbytes = wq.nbytes + scales.nbytes + biases.nbytes
-        m = timing.measure({label: timing.Point(fn)}, cfg.budget, rng)[label]
-        out[label] = {"bytes": nbytes, "median_s": m.median_s, "cv": m.cv, "repeats": m.repeats,
+        m, launches = timed(cfg, rng, {label: (fn, rows * x.itemsize)})[label]
+        out[label] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("mlx.core."), **_row(m, launches),
                       "gbs": _gbs(nbytes, m.median_s)}
         progress(f"gemv {label}")
     return out
@@ -140,12 +187,11 @@ def matmul_flops(cfg: RooflineConfig, rng, progress) -> dict[str, dict]:
     out = {}
     n = cfg.matmul_n
     for name in cfg.dtypes:
-        a = mx.random.normal((n, n)).astype(DTYPES[name])
-        b = mx.random.normal((n, n)).astype(DTYPES[name])
+        a = mx.random.normal((n, n), dtype=DTYPES[name])
+        b = mx.random.normal((n, n), dtype=DTYPES[name])
         mx.eval(a, b)
-        m = timing.measure({name: timing.Point(lambda a=a, b=b: a @ b)}, cfg.budget, rng)[name]
-        out[name] = {"n": n, "median_s": m.median_s, "cv": m.cv, "repeats": m.repeats,
-                     "tflops": 2 * n**3 / m.median_s / 1e12}
+        m, launches = timed(cfg, rng, {name: (lambda i, a=a, b=b: a @ b, a.nbytes)})[name]
+        out[name] = {"n": n, **_row(m, launches), "tflops": 2 * n**3 / m.median_s / 1e12}
         progress(f"matmul {name}")
     return out
 
@@ -159,32 +205,33 @@ def fma_flops(k: kernels.Kernels, cfg: RooflineConfig, rng) -> dict | None:
         return None
     sample = 256
     want = kernels.fma_reference(np.array(seed[:sample]), m_, k_, cfg.fma_iterations)
-    kernels.check("fma", np.array(out[:sample]), want, rtol=1e-3)
-    run = timing.Point(lambda: k.fma(seed, m_, k_, cfg.fma_iterations))
-    m = timing.measure({"fma": run}, cfg.budget, rng)["fma"]
+    kernels.check("fma", out[:sample], want, rtol=1e-3)
+    launch = lambda i: k.fma(seed, m_, k_, cfg.fma_iterations)  # noqa: E731
+    m, launches = timed(cfg, rng, {"fma": (launch, seed.nbytes)})["fma"]
     flop = kernels.GRID_THREADS * cfg.fma_iterations * 4 * 4 * 2
-    return {"median_s": m.median_s, "cv": m.cv, "repeats": m.repeats, "tflops": flop / m.median_s / 1e12}
+    return {**_row(m, launches), "tflops": flop / m.median_s / 1e12}
 
 
 def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[dict]:
-    """Quantized matmul time against tokens t: flat while weight-bound, linear once compute-bound."""
+    """Quantized matmul time against tokens t: flat while weight-bound, linear once compute-bound.
+    The weight is quantized from ``dtype`` (the models' dtype), so the input is not promoted."""
     rows_out, cols = cfg.qmm_shape
-    w = mx.random.normal((rows_out, cols))
+    w = mx.random.normal((rows_out, cols), dtype=dtype)
     rows = []
     for bits in (4, 8):
         wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
         mx.eval(wq, scales, biases)
         points = {}
         for t in cfg.qmm_tokens:
-            x = mx.random.normal((t, cols)).astype(dtype)
+            x = mx.random.normal((t, cols), dtype=dtype)
             mx.eval(x)
-            points[t] = timing.Point(lambda x=x, wq=wq, s=scales, b=biases, bits=bits:
-                                     mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=bits))
-        measured = timing.measure(points, cfg.budget, rng)
+            points[t] = (lambda i, x=x, wq=wq, s=scales, b=biases, bits=bits: mx.quantized_matmul(
+                x, wq, s, b, transpose=True, group_size=64, bits=bits), t * rows_out * x.itemsize)
+        measured = timed(cfg, rng, points)
         for t in cfg.qmm_tokens:
-            m = measured[t]
-            rows.append({"bits": bits, "tokens": t, "median_s": m.median_s, "cv": m.cv,
-                         "repeats": m.repeats, "tflops": 2 * t * rows_out * cols / m.median_s / 1e12,
+            m, launches = measured[t]
+            rows.append({"bits": bits, "tokens": t, "dtype": str(dtype).removeprefix("mlx.core."),
+                         **_row(m, launches), "tflops": 2 * t * rows_out * cols / m.median_s / 1e12,
                          "weight_bytes": wq.nbytes + scales.nbytes + biases.nbytes})
         progress(f"quantized matmul {bits}-bit")
     return rows
@@ -218,13 +265,14 @@ def run_roofline(
     """Measure everything and return the roofline document of DESIGN.md section 3."""
     rng = random.Random(seed)
     mx.random.seed(seed)
-    k = kernels.Kernels.build()
     compute_dtype = mx.float16 if backend != "cpu" else mx.float32
-    sweep_rows = stream_sweep(k, cfg, rng, progress)
-    gemv = gemv_bandwidth(cfg, rng, progress)
-    matmul = matmul_flops(cfg, rng, progress)
-    fma = fma_flops(k, cfg, rng)
-    curve = qmm_curve(cfg, compute_dtype, rng, progress)
+    with hardware.measuring_stage() as stage:
+        k = kernels.Kernels.build()
+        sweep_rows = stream_sweep(k, cfg, rng, progress)
+        gemv = gemv_bandwidth(cfg, compute_dtype, rng, progress)
+        matmul = matmul_flops(cfg, rng, progress)
+        fma = fma_flops(k, cfg, rng)
+        curve = qmm_curve(cfg, compute_dtype, rng, progress)
 
     bandwidth = {op: _plateau(sweep_rows, op, cfg.plateau_from) for op in ("read", "copy", "triad")}
     bandwidth.update({f"gemv_{label}": row["gbs"] for label, row in gemv.items()})
@@ -242,7 +290,9 @@ def run_roofline(
         knees[str(bits)] = knee_tokens([r["tokens"] for r in rows], [r["median_s"] for r in rows])
     document = {
         "backend": backend,
-        "kernels": {"path": k.path, "note": k.reason},
+        "kernels": k.describe(),
+        "compute_dtype": main_dtype,
+        "memory": {"peak_estimate_bytes": peak_bytes(cfg), **stage},
         "bandwidth_gbs": bandwidth,
         "bandwidth_ceiling_gbs": ceiling,
         "bandwidth_ceiling_source": ceiling_source,

@@ -4,6 +4,10 @@ Each point is a callable whose outputs are forced with ``mx.eval`` inside the ti
 is lazy: an un-evaluated result costs nothing), followed by an untimed reset (e.g. trimming the
 KV cache back). Points are warmed up once per shape, then sampled in rounds whose order is
 shuffled, until the median's 95% confidence interval is tight or the point's budget is spent.
+
+Short kernels are timed K launches per eval (``calibrate`` grows K until one eval lasts
+MIN_EVAL_S, as pyperf grows its loop count), so the fixed cost of one eval (a command buffer's
+commit and wait on Metal) is spread over K; ``per_launch`` divides it out, and K is recorded.
 """
 
 from __future__ import annotations
@@ -11,24 +15,32 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Hashable
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Budget", "Drift", "Measurement", "Point", "drift", "measure", "summarise"]
+__all__ = ["Budget", "Drift", "Measurement", "Point", "calibrate", "drift", "launches", "measure",
+           "per_launch", "summarise"]
 
 DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
 SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
+MIN_EVAL_S = 5e-3  # calibrated K launches make one timed eval last at least this
+MAX_LAUNCHES = 4096  # bounds the graph a calibrated eval builds
 
 
 @dataclass(frozen=True)
 class Point:
-    """One thing to time: ``run`` returns the arrays to evaluate; ``reset`` runs untimed after."""
+    """One thing to time: ``run`` returns the arrays to evaluate; ``reset`` runs untimed after.
+
+    With ``build_untimed``, ``run`` only builds the lazy graph and is called before the clock
+    starts, so the timed region is the evaluation alone (for K launches of a short kernel).
+    """
 
     run: Callable[[], Any]
     reset: Callable[[], None] | None = None
+    build_untimed: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,8 +122,13 @@ def summarise(samples: list[float], target_ci: float, warmups: int) -> Measureme
 
 
 def time_once(point: Point) -> float:
-    start = time.perf_counter()
-    mx.eval(point.run())
+    if point.build_untimed:
+        graph = point.run()
+        start = time.perf_counter()
+        mx.eval(graph)
+    else:
+        start = time.perf_counter()
+        mx.eval(point.run())
     elapsed = time.perf_counter() - start
     if point.reset is not None:
         point.reset()
@@ -154,6 +171,37 @@ def measure(
                 if on_done is not None:
                     on_done(key, done[key])
     return done
+
+
+def launches(launch: Callable[[int], Any], k: int) -> Point:
+    """K launches evaluated together: ``launch(i)`` builds the i-th as a new lazy node.
+
+    Each call makes new graph nodes, and MLX evaluates every node it is given: only
+    ``mx.compile`` merges identical operations, and the batch is never compiled as a whole.
+    """
+    if k < 1:
+        raise ValueError("k >= 1 launches required")
+    return Point(lambda: [launch(i) for i in range(k)], build_untimed=True)
+
+
+def calibrate(launch: Callable[[int], Any], max_k: int = MAX_LAUNCHES,
+              min_seconds: float = MIN_EVAL_S) -> int:
+    """The launch count K (a power of two, at most ``max_k``) for which one eval of K launches
+    lasts ``min_seconds``: double K until it does, the fastest of two evals deciding each step."""
+    mx.eval(launch(0))  # compile and allocate outside the calibration
+    k = 1
+    while k < max_k:
+        point = launches(launch, k)
+        if min(time_once(point) for _ in range(2)) >= min_seconds:
+            break
+        k = min(2 * k, max_k)
+    return max(k, 1)
+
+
+def per_launch(m: Measurement, k: int) -> Measurement:
+    """A measurement of evals of K launches, as seconds per launch (CV and CI are unchanged)."""
+    return replace(m, median_s=m.median_s / k, iqr_s=m.iqr_s / k, min_s=m.min_s / k,
+                   mean_s=m.mean_s / k, samples_s=[v / k for v in m.samples_s])
 
 
 @dataclass(frozen=True)

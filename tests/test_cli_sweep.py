@@ -8,6 +8,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from mac_moesd import hardware
 from mac_moesd.cli import cli
 
 QUICK = ["--context", "16", "--seconds-per-point", "0.01", "--quick"]
@@ -40,7 +41,7 @@ def test_sweep_json_contract(tmp_path):
     assert doc["context"] == 16 and doc["layers_full"] == 4
     for p in doc["points"]:
         assert {"batch", "tokens", "median_s", "iqr_s", "cv", "repeats"} <= set(p)
-    assert doc["meta"]["backend"] == "cpu"
+    assert doc["meta"]["backend"] == hardware.mlx_backend()
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["schema"] == "mac-moesd/1"
 

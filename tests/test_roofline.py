@@ -1,4 +1,5 @@
 import json
+import random
 
 import mlx.core as mx
 import numpy as np
@@ -127,3 +128,64 @@ def test_cli_roofline_bad_input(tmp_path, args, fragment):
     assert result.exit_code == 2, result.output
     assert fragment in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_every_roofline_row_records_its_launch_count():
+    doc = roofline.run_roofline(TINY, spec=None, backend="cpu")
+    rows = [*doc["size_sweep"], *doc["gemv"].values(), *doc["matmul"].values(), *doc["qmm_curve"]]
+    for row in rows:
+        assert row["launches"] >= 1
+        assert row["eval_median_s"] == pytest.approx(row["median_s"] * row["launches"])
+    # tiny arrays on any backend are far under MIN_EVAL_S per launch: calibration raised K
+    assert max(r["launches"] for r in doc["size_sweep"]) > 1
+    assert doc["kernels"]["per_kernel"]["copy"]["path"] in {"metal", "mlx"}
+    assert doc["memory"]["peak_estimate_bytes"] == roofline.peak_bytes(TINY)
+
+
+def test_quantized_kernels_get_the_compute_dtype(monkeypatch):
+    seen = []
+    real = mx.quantized_matmul
+
+    def spy(x, w, scales, biases, **kw):
+        seen.append((x.dtype, scales.dtype))
+        return real(x, w, scales, biases, **kw)
+
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    rows = roofline.qmm_curve(TINY, mx.float16, random.Random(0), lambda label: None)
+    gemv = roofline.gemv_bandwidth(TINY, mx.float16, random.Random(0), lambda label: None)
+    assert seen and set(seen) == {(mx.float16, mx.float16)}  # no float32 weights promote the input
+    assert {r["dtype"] for r in rows} == {"float16"}
+    assert gemv["q4"]["dtype"] == gemv["q8"]["dtype"] == "float16"
+
+
+def test_verify_stream_holds_one_output_and_chunks(monkeypatch):
+    monkeypatch.setattr(kernels, "CHECK_CHUNK", 2**14)
+    k = kernels.Kernels.build()
+    n = 2**20  # 4 MiB arrays, 64 chunks
+    a = mx.random.uniform(shape=(n,))
+    b = mx.random.uniform(shape=(n,))
+    mx.eval(a, b)
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    roofline.verify_stream(k, a, b, 3.0)
+    extra = mx.get_peak_memory() - base
+    # one output array plus a few chunk temporaries: not the 11-12x of a float64 host copy
+    assert extra <= 4 * n + 8 * kernels.CHECK_CHUNK * 4, extra / (4 * n)
+    bad = kernels.Kernels({nm: "mlx" for nm in kernels.NAMES}, {nm: "" for nm in kernels.NAMES})
+    monkeypatch.setattr(kernels, "copy_twin", lambda x: x * 1.5)
+    with pytest.raises(kernels.KernelCheckFailed, match="copy"):
+        roofline.verify_stream(bad, a, b, 3.0)
+
+
+def test_validate_budgets_what_the_roofline_allocates():
+    cfg = roofline.QUICK
+    big = max(cfg.sizes)
+    assert roofline.peak_bytes(cfg) == 2 * big + roofline.launch_bytes(cfg)
+    assert roofline.launch_bytes(cfg) == 2**30
+    full = roofline.RooflineConfig()
+    assert roofline.peak_bytes(full) == 4 * max(full.sizes)  # a, b and two arrays of outputs
+    roofline.validate(cfg, roofline.peak_bytes(cfg))
+    with pytest.raises(roofline.BadInput, match="usable here"):
+        roofline.validate(cfg, roofline.peak_bytes(cfg) - 1)

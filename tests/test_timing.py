@@ -49,13 +49,14 @@ def test_measure_evaluates_resets_and_stops_on_ci():
 
 
 def test_measure_respects_time_budget():
-    budget = timing.Budget(warmup=0, min_repeats=3, max_repeats=1000, target_ci=0.0,
+    # a tiny eval takes tens of microseconds: only the time budget can stop 10^6 repeats in time
+    budget = timing.Budget(warmup=0, min_repeats=3, max_repeats=10**6, target_ci=0.0,
                            seconds_per_point=0.05, per_visit=1)
     points = {k: timing.Point(lambda: mx.ones((8,)) + 1) for k in range(3)}
     result = timing.measure(points, budget)
     for m in result.values():
-        assert m.repeats < 1000
-        assert not m.converged
+        assert m.repeats < 10**6
+        assert sum(m.samples_s) >= 0.05 and not m.converged
 
 
 def test_drift_flag():
@@ -79,3 +80,47 @@ def test_grid_warnings():
 def test_budget_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):
         timing.Budget(**kwargs)
+
+
+def test_k_launches_are_k_distinct_nodes_and_divided_out():
+    a = mx.ones((64,))
+    built = []
+
+    def launch(i):
+        out = a * (i + 1)
+        built.append(out)
+        return out
+
+    point = timing.launches(launch, 5)
+    assert point.build_untimed
+    graph = point.run()
+    assert len(graph) == 5 and len({id(x) for x in graph}) == 5
+    mx.eval(graph)
+    assert [x[0].item() for x in graph] == [1, 2, 3, 4, 5]  # five evaluated outputs, none merged
+    m = timing.summarise([0.010, 0.012, 0.011], 0.01, 1)
+    per = timing.per_launch(m, 5)
+    assert per.median_s == pytest.approx(m.median_s / 5)
+    assert per.samples_s == pytest.approx([0.002, 0.0024, 0.0022])
+    assert per.cv == m.cv and per.repeats == 3
+    with pytest.raises(ValueError):
+        timing.launches(launch, 0)
+
+
+def test_calibrate_doubles_k_until_an_eval_is_long_enough(monkeypatch):
+    # a fake clock: each launch in an eval costs 1 ms
+    monkeypatch.setattr(timing, "time_once", lambda point: len(point.run()) * 1e-3)
+    launch = lambda i: mx.ones((4,)) + i  # noqa: E731
+    assert timing.calibrate(launch, max_k=1024, min_seconds=5e-3) == 8
+    assert timing.calibrate(launch, max_k=4, min_seconds=5e-3) == 4
+    assert timing.calibrate(launch, max_k=1024, min_seconds=1e-4) == 1
+
+
+def test_build_untimed_times_only_the_evaluation(monkeypatch):
+    import time as clock
+
+    def slow_build():
+        clock.sleep(0.05)
+        return mx.ones((4,)) + 1
+
+    assert timing.time_once(timing.Point(slow_build, build_untimed=True)) < 0.04
+    assert timing.time_once(timing.Point(slow_build)) >= 0.05
