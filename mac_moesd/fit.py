@@ -516,8 +516,8 @@ def regime(result: FitResult) -> str:
     best = ordered[0]
     text = f"`{best.name}` fits best on held-out points: {REGIMES[best.name]}"
     if len(ordered) > 1 and ordered[1].heldout_mape - best.heldout_mape < INDISTINCT_MAPE:
-        text += (f"; `{ordered[1].name}` is within {INDISTINCT_MAPE:.1%} of it, so this grid does not "
-                 "tell them apart")
+        text += (f"; `{ordered[1].name}` is within {INDISTINCT_MAPE * 100:.1f} points of held-out MAPE, "
+                 "so this grid does not tell them apart")
     return text + "."
 
 

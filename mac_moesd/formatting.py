@@ -313,13 +313,15 @@ def render_spec(doc: dict) -> str:
         pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}"
         err = ("" if r["predicted_speedup"] is None
                else f"{r['predicted_speedup'] / r['measured_speedup'] - 1:+.0%}")
-        rows.append([str(r["batch"]), str(r["gamma"]), f"{r['alpha']:.2f}", r["mode"],
+        rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
+                     _num(r.get("mean_accepted"), ".2f"), r["mode"],
                      f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                      f"{r['measured_speedup']:.2f}", pred, err])
     head = (f"{doc['target']} with drafter {doc['draft']}, context {doc['context']}, "
-            f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs")
-    return head + "\n" + table(["B", "gamma", "alpha", "mode", "plain tok/s", "SD tok/s",
-                                "measured S", "predicted S", "pred/meas"], rows)
+            f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs; "
+            "alpha solved from the mean accepted draft tokens per round unless imposed (emulated)")
+    return head + "\n" + table(["B", "gamma", "verify tokens", "alpha", "accepted/round", "mode",
+                                "plain tok/s", "SD tok/s", "measured S", "predicted S", "pred/meas"], rows)
 
 
 def render_compare(doc: dict) -> str:
