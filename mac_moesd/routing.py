@@ -25,7 +25,8 @@ from scipy.optimize import least_squares
 from mac_moesd import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 
-__all__ = ["capture_routing", "count_windows", "fit_correlation", "routing_document", "token_source"]
+__all__ = ["analyse_windows", "capture_routing", "count_windows", "fit_correlation", "reanalyse",
+           "routing_document", "token_source"]
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 _recording_classes: dict[type, type] = {}
@@ -196,8 +197,16 @@ def routing_document(
     tau: float,
     gammas: tuple[int, ...] = tuple(range(1, 9)),
 ) -> dict:
-    rho = theory.sparsity(experts, top_k)
     windows = [count_windows(indices, b, t) for b in batches for t in tokens]
+    return analyse_windows(windows, experts, top_k, tau, gammas)
+
+
+def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
+                    gammas: tuple[int, ...] = tuple(range(1, 9))) -> dict:
+    """Correlations, thresholds and verify-window saturation from counted windows (measured or
+    stored in a results file)."""
+    rho = theory.sparsity(experts, top_k)
+    batches = sorted({w.batch for w in windows})
     single = [w for w in windows if w.batch == 1]
     across = [w for w in windows if w.tokens == 1]
     correlation = fit_correlation(single, experts, top_k)
@@ -237,6 +246,15 @@ def routing_document(
         "threshold_corrected": theory.correlated_threshold(rho, correlation, tau),
         "saturation": saturation,
     }
+
+
+def reanalyse(document: dict) -> dict:
+    """A stored routing document with its fits redone from its counted windows (no new routing)."""
+    windows = [Window(w["batch"], w["tokens"], w["measured_unique"], w["std_unique"], w["windows"])
+               for w in document["windows"]]
+    gammas = tuple(sorted({s["gamma"] for s in document["saturation"]})) or tuple(range(1, 9))
+    return {**document, **analyse_windows(windows, document["experts"], document["top_k"],
+                                          document["tau"], gammas)}
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,14 @@ def test_cli_routing_empty_text(tmp_path):
     result = invoke("routing", "tiny-moe", "--text", empty, "--out", tmp_path)
     assert result.exit_code == 2
     assert "holds no text" in result.stderr
+
+
+def test_reanalyse_redoes_the_fits_from_stored_windows():
+    E, K, c = 64, 4, 0.45
+    windows = [routing.Window(b, t, float(theory.activated_experts(
+        theory.correlated_tokens(b, 0.95) * theory.correlated_tokens(t, c), E, K)), 0.0, 4)
+        for b in (1, 2, 4) for t in (1, 2, 4, 8)]
+    doc = routing.analyse_windows(windows, E, K, 0.95)
+    assert doc["correlation"] == pytest.approx(c, abs=1e-3)
+    stale = {**doc, "correlation": 0.3, "threshold_corrected": 1}
+    assert routing.reanalyse(stale) == doc
