@@ -93,9 +93,12 @@ def _verdict(d: Digest) -> list:
                 f"(gamma drafts plus one) activates "
                 f"{theory.activated_experts(window, fit['experts'], fit['top_k']):.1f} experts under uniform "
                 f"routing and makes {window * fit['top_k']} token-expert pairs, against MoESD's batch "
-                f"threshold of {threshold} tokens. Predictions use the `{fit['chosen']}` expert loads, "
-                "which fit this chip best (see the fitted model)"
-                + ("." if fit["chosen"] != "unique" else ", MoESD's own.") )
+                f"threshold of {threshold} tokens. "
+                + (f"Predictions use the `{fit['chosen']}` expert loads, which fit this chip better than "
+                   "MoESD's `unique` (see the fitted model; `unique` is shown beside)."
+                   if fit["chosen"] != "unique" else
+                   "Predictions use MoESD's own `unique` expert loads, which fit this chip best of the "
+                   "three variants (see the fitted model)."))
         model = d.model(fit["model"])
         if roof and model:
             ridge_tokens = theory.ridge_in_tokens(roof["ridge_flop_per_byte"], model.weight_format)
@@ -187,6 +190,12 @@ def _fit(d: Digest, figures) -> list:
                        f"{f['weight_format']} weights; ridge from the {f['ridge_source']}). mlx-lm sorts "
                        f"(token, expert) pairs from n*K >= {f['sort_threshold']}, n >= "
                        f"{f['sorted_from_tokens']} tokens here ({f['sort_threshold_source']})."))
+        lam_lo, lam_hi = f["bounds"]["lam"]
+        if min(p["lam"] - lam_lo, lam_hi - p["lam"]) < 1e-3 * lam_hi:
+            side = "lower" if p["lam"] - lam_lo < lam_hi - p["lam"] else "upper"
+            blocks.append(("note", f"lam sits on its {side} bound: the grid puts the knee "
+                           f"{'at or below' if side == 'lower' else 'at or above'} "
+                           f"{f['knee_tokens']:.1f} tokens, and the fit cannot place it more precisely."))
         rows = [[v["name"], pct(v["heldout_mape"]) if v["heldout_mape"] is not None else "-",
                  f"{v['knee_tokens']:.1f}", "chosen" if v["name"] == f["chosen"] else ""]
                 for v in f["variants"]]
