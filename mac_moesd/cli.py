@@ -388,6 +388,9 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
     predictor = fit.speedup_predictor(fitted) if fitted else None
+    if fitted is not None and predictor is None:
+        warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
+             "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")
     document = run_spec(cfg, predictor)
     store.put("spec", f"{document['target']}|{document['draft']}|{mode}", document)
     document["meta"] = meta

@@ -91,6 +91,7 @@ class FitInputs:
     sort_threshold: int = theory.MLX_SORT_THRESHOLD
     sort_threshold_source: str = "default"
     missing: tuple[str, ...] = ()  # what the fit could not use, and what it would take
+    platform: str = "this machine"  # chip, backend and MLX versions the sweep ran on
 
     @property
     def drafted(self) -> bool:
@@ -261,7 +262,14 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         sort_threshold=threshold,
         sort_threshold_source=threshold_source,
         missing=tuple(missing),
+        platform=_platform(data.get("meta", {})),
     )
+
+
+def _platform(meta: dict) -> str:
+    versions = meta.get("versions", {})
+    return (f"{meta.get('chip', 'this machine')} ({meta.get('backend', '?')} backend) with MLX "
+            f"{versions.get('mlx', '?')} and mlx-lm {versions.get('mlx_lm', '?')}")
 
 
 def _roofline_or_spec(data: dict, dtype: str) -> tuple[float | None, str, float | None, str]:
@@ -514,7 +522,7 @@ def regime(result: FitResult) -> str:
     if not ordered:
         return f"no held-out points: `{result.chosen}` kept by default"
     best = ordered[0]
-    text = f"`{best.name}` fits best on held-out points: {REGIMES[best.name]}"
+    text = f"On {result.inputs.platform}, `{best.name}` fits best on held-out points: {REGIMES[best.name]}"
     if len(ordered) > 1 and ordered[1].heldout_mape - best.heldout_mape < INDISTINCT_MAPE:
         text += (f"; `{ordered[1].name}` is within {INDISTINCT_MAPE * 100:.1f} points of held-out MAPE, "
                  "so this grid does not tell them apart")
