@@ -62,7 +62,8 @@ def mlx_sort_threshold() -> tuple[int, str]:
         return theory.MLX_SORT_THRESHOLD, f"default (mlx_lm's switch_layers not readable: {err})"
     found = sorted({int(v) for v in re.findall(r"indices\.size\s*>=\s*(\d+)", source)})
     if len(found) != 1:
-        return theory.MLX_SORT_THRESHOLD, "default (no single `indices.size >= N` in mlx_lm's switch_layers.py)"
+        return (theory.MLX_SORT_THRESHOLD,
+                "default (no single `indices.size >= N` in mlx_lm's switch_layers.py)")
     version = getattr(__import__("mlx_lm"), "__version__", "?")
     return found[0], f"mlx_lm {version} switch_layers.py: indices.size >= {found[0]}"
 
@@ -219,7 +220,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     if draft is None:
         missing.append(NO_DRAFT)
     vocab = full.get("vocab") or None
-    rejects = [e for e in data.get("reject", {}).values() if vocab in (None, e.get("vocab")) and e.get("points")]
+    rejects = [e for e in data.get("reject", {}).values()
+               if vocab in (None, e.get("vocab")) and e.get("points")]
     if draft is not None and not rejects:
         missing.append(NO_REJECT)
 
@@ -311,7 +313,9 @@ def bounds_for(inputs: FitInputs, loads: str = "unique") -> dict[str, tuple[floa
     return {
         "bias": from_bytes(inputs.dense_bytes), "k1": (0.0, inf), "k2": from_bytes(inputs.expert_bytes),
         "k3": (0.0, 0.0) if loads == "pairs" else (0.0, inf),
-        "lam": lam, "s": (1.0, 2.0), "draft_bias": from_bytes(inputs.draft_bytes) if inputs.drafted else (0.0, 0.0),
+        "lam": lam, "s": (1.0, 2.0),
+        # Without a drafter sweep the side terms are held at 0 (equal bounds: not fitted).
+        "draft_bias": from_bytes(inputs.draft_bytes) if inputs.drafted else (0.0, 0.0),
         "draft_k": (0.0, inf) if inputs.drafted else (0.0, 0.0),
         "reject_bias": (0.0, inf) if inputs.drafted else (0.0, 0.0),
         "reject_k": (0.0, inf) if inputs.drafted else (0.0, 0.0),

@@ -76,7 +76,8 @@ def _verdict(d: Digest) -> list:
             eff = {p["gamma"]: p["target_efficiency"] for p in fit["predictions"] if p["batch"] == 1}
             blocks.append(("p", "No verdict on speedup: " + "; ".join(fit["missing"]) + ". What the "
                            "target alone says: at batch 1 a verify window of gamma+1 tokens costs "
-                           + ", ".join(f"{1 / eff[g]:.2f}x a plain step at gamma={g}" for g in (1, 2, 4) if g in eff)
+                           + ", ".join(f"{1 / eff[g]:.2f}x a plain step at gamma={g}"
+                                       for g in (1, 2, 4) if g in eff)
                            + f" (`{fit['chosen']}` expert loads)."))
             continue
         alphas = sorted({p["alpha"] for p in fit["predictions"]})

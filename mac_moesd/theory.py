@@ -145,7 +145,7 @@ def expected_tokens_per_round(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
 
 
 def mean_accepted_length(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
-    """L = alpha*(1 - alpha^gamma)/(1 - alpha): draft tokens accepted per round (Omega minus the bonus token)."""
+    """L = alpha*(1 - alpha^gamma)/(1 - alpha): draft tokens accepted per round (Omega less the bonus)."""
     return expected_tokens_per_round(alpha, gamma) - 1.0
 
 
@@ -278,7 +278,8 @@ class TimeModel:
         n = np.asarray(n, dtype=float)
         knee = self.knee(ridge_tokens)
         reads, per_read = expert_loads(n, experts, top_k, loads, sort_threshold)
-        expert_compute = np.where(per_read > 0, compute_transition(np.maximum(per_read, 1.0), knee, self.s), 0.0)
+        batched = compute_transition(np.maximum(per_read, 1.0), knee, self.s)
+        expert_compute = np.where(per_read > 0, batched, 0.0)
         return (
             self.bias
             + self.k1 * compute_transition(n, knee, self.s)

@@ -180,3 +180,13 @@ def test_compare_rejects_an_older_schema(tmp_path):
     assert result.exit_code == 1
     assert "schema 'mac-moesd/0'" in result.stderr
     assert compare.REFERENCE_GPUS[0]["chip"].startswith("NVIDIA")
+
+
+def test_a_fit_without_drafter_reports_target_efficiency_not_a_verdict(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    del data["draft"]
+    data["fits"] = {"tiny-moe": fit.fit_document(fit.fit(fit.inputs_from_results(data, "tiny-moe")))}
+    md = report.write_report(data, tmp_path)["markdown"].read_text()
+    assert "No verdict on speedup: speedups need the drafter step T_D(B,1)" in md
+    assert "a verify window of gamma+1 tokens costs" in md
+    assert not (tmp_path / "figures" / "speedup.png").exists()
