@@ -241,6 +241,9 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         threshold, threshold_source = 0, "the sweep forced mlx-lm's sorted gather at every size"
     else:
         threshold, threshold_source = mlx_sort_threshold()
+        swept = data.get("meta", {}).get("versions", {}).get("mlx_lm")
+        if swept and f"mlx_lm {swept} " not in threshold_source:
+            threshold_source += f"; the sweep ran mlx-lm {swept}"
     return FitInputs(
         model=name,
         experts=footprint["experts"],

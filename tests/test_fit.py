@@ -281,3 +281,18 @@ def test_cli_fit_too_few_points(tmp_path):
     result = CliRunner().invoke(cli, ["fit", str(path)])
     assert result.exit_code == 2
     assert "too few points to fit" in result.stderr
+
+
+def test_sort_threshold_read_from_mlx_lm_or_defaulted(monkeypatch):
+    threshold, source = fit.mlx_sort_threshold()
+    assert threshold == 64 and "indices.size >= 64" in source
+    data = synthetic_results()
+    data["meta"]["versions"] = {"mlx_lm": "0.1.0"}
+    assert "the sweep ran mlx-lm 0.1.0" in fit.inputs_from_results(data).sort_threshold_source
+
+    def unreadable(_):
+        raise OSError("no source")
+
+    monkeypatch.setattr(fit.inspect, "getsource", unreadable)
+    threshold, source = fit.mlx_sort_threshold()
+    assert threshold == theory.MLX_SORT_THRESHOLD and source.startswith("default")
