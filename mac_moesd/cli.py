@@ -342,7 +342,7 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
     path = results / "results.json" if results.is_dir() else results
     data = load_results(path)
     inputs = fit.inputs_from_results(data, model, verify_tokens)
-    if "no roofline" in inputs.ridge_source:
+    if inputs.ridge is not None and "no roofline" in inputs.ridge_source:
         warn(f"ridge and bandwidth from the {inputs.ridge_source}")
     for what in inputs.missing:
         warn(what)

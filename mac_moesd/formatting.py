@@ -265,7 +265,9 @@ def render_fit(doc: dict) -> str:
         f"{drafter}, context {doc['context']}; verify forward of {doc['verify_tokens']} tokens",
         f"{ridge}{doc['ridge_source']}; {bandwidth}",
         f"knee of G: {doc['knee_tokens']:.1f} tokens per forward (lam = {p['lam']:.3g} x "
-        f"{doc['ridge_tokens']:.1f} tokens, the ridge in tokens for {doc['weight_format']})",
+        f"{doc['ridge_tokens']:.1f} tokens, "
+        + (f"the ridge in tokens for {doc['weight_format']})" if doc["ridge_flop_per_byte"] is not None
+           else "the grid's largest n: no ridge known)"),
         f"mlx-lm sorts expert pairs from n*K >= {doc['sort_threshold']} ({doc['sort_threshold_source']})",
         "",
         "expert-load variants (held-out MAPE):",

@@ -187,8 +187,12 @@ def _fit(d: Digest, figures) -> list:
         blocks.append(("p", f"Held-out MAPE **{pct(f['heldout_mape'])}** over {len(f['heldout_points'])} "
                        f"points, fitted on {len(f['train_points'])}; worst B={w['batch']} t={w['tokens']} at "
                        f"{w['error']:+.1%}. Knee of G at **{f['knee_tokens']:.1f} tokens** per forward "
-                       f"(lam = {p['lam']:.3g} of the {f['ridge_tokens']:.1f}-token ridge for "
-                       f"{f['weight_format']} weights; ridge from the {f['ridge_source']}). mlx-lm sorts "
+                       + (f"(lam = {p['lam']:.3g} of the {f['ridge_tokens']:.1f}-token ridge for "
+                          f"{f['weight_format']} weights; ridge from the {f['ridge_source']}). "
+                          if f["ridge_flop_per_byte"] is not None else
+                          f"(lam = {p['lam']:.3g} of the grid's largest n, {f['ridge_tokens']:g} tokens: "
+                          f"{f['ridge_source']}). ")
+                       + "mlx-lm sorts "
                        f"(token, expert) pairs from n*K >= {f['sort_threshold']}, n >= "
                        f"{f['sorted_from_tokens']} tokens here ({f['sort_threshold_source']})."))
         lam_lo, lam_hi = f["bounds"]["lam"]
