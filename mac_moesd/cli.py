@@ -118,7 +118,8 @@ def info(as_json: bool) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Largest t in the table [default: first power of two at or past saturation].")
 @click.option("--correlation", "-c", type=click.FloatRange(0, 1, min_open=True), default=None,
-              help="Routing correlation c: t correlated tokens act like c*t uniform ones.")
+              help="Routing correlation c within one sequence: t consecutive tokens act like "
+                   "1 + c*(t-1) uniform ones.")
 @click.option("--gamma", type=NumberList(int, minimum=1), default="1,2,4,8", show_default=True,
               help="Draft lengths for the acceptance table.")
 @click.option("--alpha", type=NumberList(float, minimum=0), default="0.8", show_default=True,
@@ -353,8 +354,9 @@ def routing_command(model, text, batches, tokens, length, layers, tau, memory_li
 @click.option("--model", default=None, help="Which MoE sweep in the file [default: the first].")
 @click.option("--alpha", type=NumberList(float, minimum=0, open_min=True), default=None,
               help="Acceptance rates to predict for, in (0, 1) [default: 0.5,0.7,0.9].")
-@click.option("--verify-tokens", type=click.Choice(["gamma", "gamma+1"]), default="gamma",
-              show_default=True, help="Tokens in the verify forward (MoESD uses gamma).")
+@click.option("--verify-tokens", type=click.Choice(["gamma", "gamma+1"]), default="gamma+1",
+              show_default=True, help="Tokens in the verify forward: gamma+1 as the SD loops and "
+              "mlx-lm run it; gamma is MoESD's convention.")
 @json_option
 def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
     """Fit the MoESD time model to a results file; held-out error and predicted speedups.
@@ -369,8 +371,10 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
     path = results / "results.json" if results.is_dir() else results
     data = load_results(path)
     inputs = fit.inputs_from_results(data, model, verify_tokens)
-    if "no roofline" in inputs.ridge_source:
+    if inputs.ridge is not None and "no roofline" in inputs.ridge_source:
         warn(f"ridge and bandwidth from the {inputs.ridge_source}")
+    for what in inputs.missing:
+        warn(what)
     result = fit.fit(inputs)
     document = fit.fit_document(result, alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alpha or ()))))
     data.setdefault("fits", {})[document["model"]] = document
@@ -415,6 +419,9 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
     predictor = fit.speedup_predictor(fitted) if fitted else None
+    if fitted is not None and predictor is None:
+        warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
+             "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")
     document = run_spec(cfg, predictor, usable.usable_bytes)
     store.put("spec", f"{document['target']}|{document['draft']}|{mode}", document)
     document["meta"] = meta

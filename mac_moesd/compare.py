@@ -45,7 +45,7 @@ def machine_row(data: dict, label: str) -> dict:
         "speedup_batch1": {},
         "curves": {},
     }
-    for fit in d.fits:
+    for fit in (f for f in d.fits if f["drafted"]):  # speedups need a measured drafter
         best = max((p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == ALPHA),
                    key=lambda p: p["speedup"])
         row["speedup_batch1"][fit["model"]] = {"gamma": best["gamma"], "speedup": best["speedup"]}

@@ -12,7 +12,7 @@ from functools import cached_property
 from mac_moesd import theory
 from mac_moesd.errors import MacMoesdError
 
-VERIFY_WINDOW = 4  # the draft length shown as "the verify window" in figures and text
+VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
 
 def full_depth_points(entries: list[dict]) -> tuple[dict, bool]:
@@ -106,9 +106,10 @@ class ModelView:
         ts = [t for t in self.tokens if self.median(batch, t) is not None and base]
         return ts, [self.median(batch, t) / base for t in ts]
 
-    def efficiency_curve(self, gamma: int) -> tuple[list[int], list[float]]:
-        bs = [b for b in self.batches if self.median(b, 1) and self.median(b, gamma)]
-        return bs, [self.median(b, 1) / self.median(b, gamma) for b in bs]
+    def efficiency_curve(self, tokens: int) -> tuple[list[int], list[float]]:
+        """Measured T_T(B,1)/T_T(B,tokens) for every batch that has both points."""
+        bs = [b for b in self.batches if self.median(b, 1) and self.median(b, tokens)]
+        return bs, [self.median(b, 1) / self.median(b, tokens) for b in bs]
 
     def operating_point(self, tokens: int) -> tuple[float, float] | None:
         """(FLOP per byte read, achieved FLOP/s) of a batch-1 forward of ``tokens`` tokens."""
@@ -161,7 +162,16 @@ class Digest:
 
     @property
     def fits(self) -> list[dict]:
-        return list(self.data.get("fits", {}).values())
+        """Fits in the current format (every expert-load variant fitted, one chosen)."""
+        return [f for f in self.data.get("fits", {}).values() if "chosen" in f]
+
+    @property
+    def stale_fits(self) -> list[str]:
+        """Models whose stored fit predates the variant fit: `mac-moesd fit` redoes them."""
+        return [f["model"] for f in self.data.get("fits", {}).values() if "chosen" not in f]
+
+    def fit_of(self, model: str) -> dict | None:
+        return next((f for f in self.fits if f["model"] == model), None)
 
     @property
     def spec(self) -> list[dict]:

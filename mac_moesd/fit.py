@@ -1,16 +1,24 @@
 """Fit MoESD's Algorithm-1 time model to measured T_T(B,t), T_D(B,1), T_rej(B); predict S(B,gamma).
 
 The 10 parameters, plus MagicDec's KV term k_kv*B*L (identifiable at one context too, since the
-grid varies B at a fixed token count n = B*t), are fitted jointly with scipy's trust-region-reflective least squares on
-relative residuals (every point weighs alike, as the held-out MAPE does). Bounds follow MoESD:
-bias in [V_dense*bytes/BW, 5x], k2 in [V_expert*bytes/BW, 5x], draft_bias likewise from the
-drafter's bytes, lam in [0.2, 1], s in [1, 2], the rest >= 0. RP is the measured ridge (or the
-chip's published one when no roofline was measured, said in the output).
+grid varies B at a fixed token count n = B*t), are fitted jointly with scipy's
+trust-region-reflective least squares on relative residuals (every point weighs alike, as the
+held-out MAPE does), once per expert-load variant (``theory.EXPERT_LOADS``); held-out error picks
+the variant the predictions use. Bounds follow MoESD: bias in [V_dense*bytes/BW, 5x], k2 in
+[V_expert*bytes/BW, 5x], draft_bias likewise from the drafter's bytes, lam in [0.2, 1], s in
+[1, 2], the rest >= 0. The knee of G is lam * ridge_in_tokens(RP, weight format), RP the measured
+ridge for the model's compute dtype (or the chip's published one, said in the output); without
+either the knee is fitted in tokens within the measured grid.
+
+Without a drafter sweep only T_T is fitted: predictions carry target efficiency, and speedups
+are None until T_D(B,1) is measured.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,14 +28,44 @@ from mac_moesd import hardware, theory
 from mac_moesd.digest import Digest, full_depth_points
 from mac_moesd.errors import BadInput, MacMoesdError
 
-__all__ = ["FitInputs", "FitResult", "fit", "inputs_from_results", "predict", "fit_document"]
+__all__ = ["FitInputs", "FitResult", "FittedModel", "VariantFit", "fit", "fit_document",
+           "inputs_from_results", "mlx_sort_threshold", "predict", "speedup_predictor"]
 
 DEFAULT_ALPHAS = (0.5, 0.7, 0.9)
 DEFAULT_GAMMAS = tuple(range(1, 9))
 DEFAULT_BATCHES = tuple(range(1, 65))
+DEFAULT_VERIFY = "gamma+1"  # what the measured loops and mlx-lm feed the target; MoESD writes gamma
 HOLDOUT_EVERY = 3  # every third target point is held out (MoESD fitted on every 11th of 228)
 MIN_TARGET_TRAIN = 7  # bias, k1, k2, k3, lam, s and k_kv
 MIN_SIDE_POINTS = 2  # two parameters each for the drafter and rejection sampling
+LAM_BOUNDS = (0.2, 1.0)  # MoESD's bounds on lam, applied to the knee in tokens
+NO_DRAFT = "speedups need the drafter step T_D(B,1): rerun the sweep with --draft DRAFT"
+NO_REJECT = "speedups need the rejection-sampling step T_rej(B): rerun the sweep with --draft DRAFT"
+# Variants closer than this in held-out MAPE are not told apart by the grid.
+INDISTINCT_MAPE = 0.005
+
+REGIMES = {
+    "unique": "each activated expert is read once per forward (MoESD's assumption)",
+    "pairs": "each (token, expert) pair is read separately, so a verify window costs about n*K "
+             "expert reads and never saturates",
+    "mlx": "pairs below mlx-lm's sort threshold on n*K, each unique expert once at and above it",
+}
+
+
+def mlx_sort_threshold() -> tuple[int, str]:
+    """mlx-lm's SwitchGLU sort threshold on indices.size, read from the installed source."""
+    try:
+        from mlx_lm.models import switch_layers
+
+        source = inspect.getsource(switch_layers)
+    except (ImportError, OSError, TypeError) as err:
+        return theory.MLX_SORT_THRESHOLD, f"default (mlx_lm's switch_layers not readable: {err})"
+    found = sorted({int(v) for v in re.findall(r"indices\.size\s*>=\s*(\d+)", source)})
+    if len(found) != 1:
+        return (theory.MLX_SORT_THRESHOLD,
+                "default (no single `indices.size >= N` in mlx_lm's switch_layers.py)")
+    version = getattr(__import__("mlx_lm"), "__version__", "?")
+    return found[0], f"mlx_lm {version} switch_layers.py: indices.size >= {found[0]}"
 
 
 @dataclass(frozen=True)
@@ -35,24 +73,36 @@ class FitInputs:
     model: str
     experts: int
     top_k: int
-    ridge: float
+    weight_format: str
+    ridge: float | None  # FLOP/byte for the model's compute dtype; None: knee fitted within the grid
     ridge_source: str
-    bandwidth: float  # bytes/s
+    ridge_tokens: float  # the knee's scale in tokens per forward: knee = lam * ridge_tokens
+    bandwidth: float | None  # bytes/s; None: bias and k2 bounded below by 0 only
     bandwidth_source: str
     dense_bytes: float
     expert_bytes: float  # one expert, all MoE layers
-    draft_bytes: float
+    draft_bytes: float | None
     target: list[tuple[int, int, float]]  # (batch, tokens, seconds)
     draft: list[tuple[int, float]]
     reject: list[tuple[int, float]]
     context: int
-    draft_model: str = ""
+    draft_model: str | None = None
     extrapolated: bool = False
-    verify: str = "gamma"  # verify forward has gamma tokens (MoESD) or "gamma+1"
+    verify: str = DEFAULT_VERIFY
+    sort_threshold: int = theory.MLX_SORT_THRESHOLD
+    sort_threshold_source: str = "default"
+    missing: tuple[str, ...] = ()  # what the fit could not use, and what it would take
+    platform: str = "this machine"  # chip, backend and MLX versions the sweep ran on
+
+    @property
+    def drafted(self) -> bool:
+        """Whether T_D(B,1) and T_rej(B) were measured, so speedups can be predicted."""
+        return bool(self.draft) and bool(self.reject)
 
 
 @dataclass(frozen=True)
-class FitResult:
+class VariantFit:
+    name: str
     params: theory.TimeModel
     k_kv: float  # MagicDec's KV-read term: seconds per cached token per sequence
     bounds: dict[str, tuple[float, float]]
@@ -61,7 +111,84 @@ class FitResult:
     heldout_mape: float | None
     worst: dict | None
     cost: float
+
+
+@dataclass(frozen=True)
+class FitResult:
+    variants: list[VariantFit]
+    chosen: str
     inputs: FitInputs = field(repr=False)
+
+    def variant(self, name: str) -> VariantFit:
+        return next(v for v in self.variants if v.name == name)
+
+    @property
+    def best(self) -> VariantFit:
+        return self.variant(self.chosen)
+
+    @property
+    def params(self) -> theory.TimeModel:
+        return self.best.params
+
+    @property
+    def k_kv(self) -> float:
+        return self.best.k_kv
+
+    @property
+    def bounds(self) -> dict[str, tuple[float, float]]:
+        return self.best.bounds
+
+    @property
+    def heldout_mape(self) -> float | None:
+        return self.best.heldout_mape
+
+    def model(self, name: str | None = None) -> FittedModel:
+        v = self.variant(name or self.chosen)
+        i = self.inputs
+        return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
+                           i.sort_threshold, i.drafted)
+
+
+@dataclass(frozen=True)
+class FittedModel:
+    """One fitted variant, ready to predict T_T(B,t) at any context and S(B,gamma)."""
+
+    params: theory.TimeModel
+    k_kv: float
+    experts: int
+    top_k: int
+    ridge_tokens: float
+    loads: str
+    sort_threshold: int
+    drafted: bool
+
+    def target(self, batch, tokens, context: int) -> np.ndarray:
+        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L."""
+        batch = np.asarray(batch, dtype=float)
+        n = batch * np.asarray(tokens, dtype=float)
+        return (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
+                                        self.sort_threshold)
+                + theory.kv_time(batch, context, self.k_kv))
+
+    def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
+                self_draft: bool = False) -> np.ndarray:
+        """S(B, gamma) at acceptance alpha and context L; a self-draft's step is the target's."""
+        if not self.drafted:
+            raise MacMoesdError(NO_DRAFT)
+        plain = self.target(batch, 1, context)
+        verify_t = self.target(batch, verify_tokens(gamma, verify), context)
+        draft = plain if self_draft else self.params.draft_time(batch, self.ridge_tokens)
+        sigma = theory.normalised_acceptance(alpha, gamma)
+        return theory.speedup(sigma, gamma, plain, verify_t, draft, self.params.reject_time(batch))
+
+    @classmethod
+    def from_document(cls, doc: dict, variant: str | None = None) -> FittedModel:
+        """The chosen (or the named) variant of a stored fit document."""
+        name = variant or doc["chosen"]
+        v = next(x for x in doc["variants"] if x["name"] == name)
+        params = {k: (0.0 if val is None else val) for k, val in v["params"].items()}
+        return cls(theory.TimeModel(**params), v["k_kv"], doc["experts"], doc["top_k"],
+                   doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"])
 
 
 # ---- reading a results file ----
@@ -75,8 +202,9 @@ def _as_pairs(points: dict) -> list[tuple[int, int, float]]:
     return sorted(out)
 
 
-def inputs_from_results(data: dict, model: str | None = None, verify: str = "gamma") -> FitInputs:
-    """Everything the fit needs from one results file; clear errors for what is missing."""
+def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFAULT_VERIFY) -> FitInputs:
+    """Everything the fit needs from one results file; what is missing is named, not fatal,
+    unless the target sweep itself is."""
     views = [m for m in Digest(data).models if m.experts and (model is None or m.name == model)]
     if not views:
         which = f" of {model}" if model else ""
@@ -84,66 +212,116 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = "gam
     view = views[0]
     name, full, footprint = view.name, view.full, view.footprint
     points, extrapolated = full_depth_points(view.entries)
+    target = _as_pairs(points)
+    missing = []
 
-    drafts = list(data.get("draft", {}).values())
-    if not drafts or not drafts[0]["points"]:
-        raise MacMoesdError("no drafter step T_D(B,1) in the results: rerun the sweep with --draft DRAFT")
-    draft = drafts[0]
+    drafts = [d for d in data.get("draft", {}).values() if d.get("points")]
+    draft = drafts[0] if drafts else None
+    if draft is None:
+        missing.append(NO_DRAFT)
     vocab = full.get("vocab") or None
-    rejects = [e for e in data.get("reject", {}).values() if vocab in (None, e.get("vocab"))]
-    if not rejects or not rejects[0]["points"]:
-        raise MacMoesdError("no rejection-sampling step T_rej(B) in the results: rerun the sweep")
+    rejects = [e for e in data.get("reject", {}).values()
+               if vocab in (None, e.get("vocab")) and e.get("points")]
+    if draft is not None and not rejects:
+        missing.append(NO_REJECT)
 
-    ridge, ridge_source, bandwidth, bandwidth_source = _roofline_or_spec(data)
+    fmt = view.weight_format
+    ridge, ridge_source, bandwidth, bandwidth_source = _roofline_or_spec(data, full["dtype"])
+    if ridge is not None:
+        ridge_tokens = theory.ridge_in_tokens(ridge, fmt)
+    else:
+        ridge_tokens = float(max(b * t for b, t, _ in target))
+        ridge_source = (f"{ridge_source}: knee fitted in tokens within the measured grid "
+                        f"(n = B*t up to {ridge_tokens:g})")
+        missing.append("no roofline and no published FLOPS for this chip: the knee is fitted within "
+                       "the grid; run `mac-moesd roofline` to anchor it")
+    if bandwidth is None:
+        missing.append("no measured or published bandwidth: bias and k2 are bounded below by 0 only")
+    if full.get("gather") == "sorted":
+        threshold, threshold_source = 0, "the sweep forced mlx-lm's sorted gather at every size"
+    else:
+        threshold, threshold_source = mlx_sort_threshold()
+        swept = data.get("meta", {}).get("versions", {}).get("mlx_lm")
+        if swept and f"mlx_lm {swept} " not in threshold_source:
+            threshold_source += f"; the sweep ran mlx-lm {swept}"
     return FitInputs(
         model=name,
         experts=footprint["experts"],
         top_k=footprint["top_k"],
+        weight_format=fmt,
         ridge=ridge,
         ridge_source=ridge_source,
+        ridge_tokens=ridge_tokens,
         bandwidth=bandwidth,
         bandwidth_source=bandwidth_source,
         dense_bytes=footprint["bytes_dense_streamed"],
         expert_bytes=footprint["bytes_per_expert"],
-        draft_bytes=draft["footprint"]["bytes_dense_streamed"],
-        target=_as_pairs(points),
-        draft=[(b, s) for b, _, s in _as_pairs(draft["points"])],
-        reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])],
+        draft_bytes=draft["footprint"]["bytes_dense_streamed"] if draft else None,
+        target=target,
+        draft=[(b, s) for b, _, s in _as_pairs(draft["points"])] if draft and rejects else [],
+        reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])] if draft and rejects else [],
         context=full["context"],
-        draft_model=draft["model"],
+        draft_model=draft["model"] if draft else None,
         extrapolated=extrapolated,
         verify=verify,
+        sort_threshold=threshold,
+        sort_threshold_source=threshold_source,
+        missing=tuple(missing),
+        platform=_platform(data.get("meta", {})),
     )
 
 
-def _roofline_or_spec(data: dict) -> tuple[float, str, float, str]:
+def _platform(meta: dict) -> str:
+    versions = meta.get("versions", {})
+    return (f"{meta.get('chip', 'this machine')} ({meta.get('backend', '?')} backend) with MLX "
+            f"{versions.get('mlx', '?')} and mlx-lm {versions.get('mlx_lm', '?')}")
+
+
+def _roofline_or_spec(data: dict, dtype: str) -> tuple[float | None, str, float | None, str]:
+    """(ridge FLOP/byte for ``dtype`` compute, its source, bandwidth bytes/s, its source)."""
     roof = data.get("roofline")
     if roof:
-        return (roof["ridge_flop_per_byte"], f"measured roofline ({roof['ridge_dtype']})",
-                roof["bandwidth_ceiling_gbs"] * 1e9, f"measured ({roof['bandwidth_ceiling_source']})")
+        bandwidth = roof["bandwidth_ceiling_gbs"] * 1e9
+        bw_source = f"measured ({roof['bandwidth_ceiling_source']})"
+        by_dtype = roof.get("ridge_by_dtype") or {}
+        if dtype in by_dtype:
+            return by_dtype[dtype], f"measured roofline ({dtype} matmul peak)", bandwidth, bw_source
+        return (roof["ridge_flop_per_byte"], f"measured roofline ({roof['ridge_dtype']} peak; no {dtype} "
+                "matmul measured)", bandwidth, bw_source)
     meta = data.get("meta", {})
     spec = hardware.lookup_spec(meta.get("chip", ""), meta.get("gpu_cores"))
-    if spec is None or spec.ridge_flop_per_byte is None:
-        raise MacMoesdError(
-            "no roofline in the results and no published FLOPS for this chip: "
-            "run `mac-moesd roofline` first"
-        )
-    return (spec.ridge_flop_per_byte, f"published spec of {spec.name} (no roofline measured)",
-            spec.bandwidth_bytes_s, f"published spec of {spec.name} (no roofline measured)")
+    if spec is None:
+        return None, "no roofline and no published spec", None, "none (no roofline, no published spec)"
+    where = f"published spec of {spec.name} (no roofline measured)"
+    if spec.ridge_flop_per_byte is None:
+        return None, f"{where} without FLOPS", spec.bandwidth_bytes_s, where
+    note = "" if dtype == "float32" else f"; Apple publishes FP32 only, taken as the {dtype} peak too"
+    return spec.ridge_flop_per_byte, f"{where}, FP32 peak{note}", spec.bandwidth_bytes_s, where
 
 
 # ---- the fit ----
 
 
-def bounds_for(inputs: FitInputs) -> dict[str, tuple[float, float]]:
+def bounds_for(inputs: FitInputs, loads: str = "unique") -> dict[str, tuple[float, float]]:
     inf = math.inf
-    bias = inputs.dense_bytes / inputs.bandwidth
-    k2 = inputs.expert_bytes / inputs.bandwidth
-    draft = inputs.draft_bytes / inputs.bandwidth
+
+    def from_bytes(nbytes: float | None) -> tuple[float, float]:
+        if inputs.bandwidth is None or nbytes is None:
+            return (0.0, inf)
+        low = nbytes / inputs.bandwidth
+        return (low, 5 * low)
+
+    # Within the grid (no ridge known) the knee may sit anywhere from one token to the largest n.
+    lam = LAM_BOUNDS if inputs.ridge is not None else (1.0 / inputs.ridge_tokens, 1.0)
     return {
-        "bias": (bias, 5 * bias), "k1": (0.0, inf), "k2": (k2, 5 * k2), "k3": (0.0, inf),
-        "lam": (0.2, 1.0), "s": (1.0, 2.0), "draft_bias": (draft, 5 * draft), "draft_k": (0.0, inf),
-        "reject_bias": (0.0, inf), "reject_k": (0.0, inf),
+        "bias": from_bytes(inputs.dense_bytes), "k1": (0.0, inf), "k2": from_bytes(inputs.expert_bytes),
+        "k3": (0.0, 0.0) if loads == "pairs" else (0.0, inf),
+        "lam": lam, "s": (1.0, 2.0),
+        # Without a drafter sweep the side terms are held at 0 (equal bounds: not fitted).
+        "draft_bias": from_bytes(inputs.draft_bytes) if inputs.drafted else (0.0, 0.0),
+        "draft_k": (0.0, inf) if inputs.drafted else (0.0, 0.0),
+        "reject_bias": (0.0, inf) if inputs.drafted else (0.0, 0.0),
+        "reject_k": (0.0, inf) if inputs.drafted else (0.0, 0.0),
     }
 
 
@@ -160,9 +338,9 @@ def _check_enough(inputs: FitInputs, train: list) -> None:
         need = next(n for n in range(1, 1000) if len(split(list(range(n)))[0]) >= MIN_TARGET_TRAIN)
         short.append(f"{need - len(inputs.target)} more T_T(B,t) points (have {len(inputs.target)}, "
                      f"need {need} with every {HOLDOUT_EVERY}rd held out)")
-    if len({b for b, _ in inputs.draft}) < MIN_SIDE_POINTS:
+    if inputs.drafted and len({b for b, _ in inputs.draft}) < MIN_SIDE_POINTS:
         short.append(f"T_D at {MIN_SIDE_POINTS - len(inputs.draft)} more batch sizes")
-    if len({b for b, _ in inputs.reject}) < MIN_SIDE_POINTS:
+    if inputs.drafted and len({b for b, _ in inputs.reject}) < MIN_SIDE_POINTS:
         short.append(f"T_rej at {MIN_SIDE_POINTS - len(inputs.reject)} more batch sizes")
     if short:
         raise BadInput("too few points to fit the 11 parameters: need " + "; ".join(short))
@@ -170,71 +348,97 @@ def _check_enough(inputs: FitInputs, train: list) -> None:
 
 def _initial(bounds: dict[str, tuple[float, float]], inputs: FitInputs) -> np.ndarray:
     t1 = min(s for b, t, s in inputs.target if b * t == min(bb * tt for bb, tt, _ in inputs.target))
+
+    def above(name: str, fallback: float) -> float:
+        low = bounds[name][0]
+        return low * 1.5 if low > 0 else fallback
+
     guess = {
-        "bias": bounds["bias"][0] * 1.5, "k1": t1 * 0.1, "k2": bounds["k2"][0] * 1.5, "k3": t1 * 0.1,
-        "lam": 0.5, "s": 1.05, "draft_bias": bounds["draft_bias"][0] * 1.5,
-        "draft_k": min(s for _, s in inputs.draft) * 0.1, "reject_bias": min(s for _, s in inputs.reject) * 0.5,
-        "reject_k": min(s for _, s in inputs.reject) * 0.1,
+        "bias": above("bias", t1 * 0.5), "k1": t1 * 0.1, "k2": above("k2", t1 * 0.05), "k3": t1 * 0.1,
+        "lam": 0.5, "s": 1.05,
+        "draft_bias": above("draft_bias", min((s for _, s in inputs.draft), default=0.0) * 0.5),
+        "draft_k": min((s for _, s in inputs.draft), default=0.0) * 0.1,
+        "reject_bias": min((s for _, s in inputs.reject), default=0.0) * 0.5,
+        "reject_k": min((s for _, s in inputs.reject), default=0.0) * 0.1,
     }
     lo = np.array([bounds[n][0] for n in theory.TimeModel.names()])
     hi = np.array([bounds[n][1] for n in theory.TimeModel.names()])
     x0 = np.array([guess[n] for n in theory.TimeModel.names()])
-    return np.clip(x0, lo, np.where(np.isfinite(hi), hi, np.inf))
+    return np.clip(x0, lo, hi)
 
 
-def fit(inputs: FitInputs) -> FitResult:
+def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
+    """Algorithm 1 with the expert-load term of ``loads``; parameters with equal bounds are held."""
     train, held = split(inputs.target)
     _check_enough(inputs, train)
-    bounds = bounds_for(inputs)
+    bounds = bounds_for(inputs, loads)
     names = theory.TimeModel.names()
-    lo = np.array([bounds[n][0] for n in names])
-    hi = np.array([bounds[n][1] for n in names])
-    if np.any(lo > hi):
+    lo_all = np.append([bounds[n][0] for n in names], 0.0)
+    hi_all = np.append([bounds[n][1] for n in names], np.inf)
+    if np.any(lo_all > hi_all):
         raise MacMoesdError("inconsistent bounds: check the bandwidth and byte counts")
-    E, K, RP = inputs.experts, inputs.top_k, inputs.ridge
+    free = lo_all < hi_all
+    E, K, R, L = inputs.experts, inputs.top_k, inputs.ridge_tokens, inputs.context
+    thr = inputs.sort_threshold
     tb = np.array([b for b, _, _ in train], dtype=float)
     tn = np.array([b * t for b, t, _ in train], dtype=float)
-    L = inputs.context
     ty = np.array([s for _, _, s in train])
     db = np.array([b for b, _ in inputs.draft], dtype=float)
     dy = np.array([s for _, s in inputs.draft])
     rb = np.array([b for b, _ in inputs.reject], dtype=float)
     ry = np.array([s for _, s in inputs.reject])
 
+    def full_vector(x):
+        out = lo_all.copy()
+        out[free] = x
+        return out
+
     def residuals(x):
-        m = theory.TimeModel.from_vector(x[:-1])
+        v = full_vector(x)
+        m = theory.TimeModel.from_vector(v[:-1])
         return np.concatenate([
-            (m.target_time(tn, E, K, RP) + theory.kv_time(tb, L, x[-1])) / ty - 1,
-            m.draft_time(db, RP) / dy - 1,
+            (m.target_time(tn, E, K, R, loads, thr) + theory.kv_time(tb, L, v[-1])) / ty - 1,
+            m.draft_time(db, R) / dy - 1,
             m.reject_time(rb) / ry - 1,
         ])
 
     x0 = np.append(_initial(bounds, inputs), 0.0)
-    lo, hi = np.append(lo, 0.0), np.append(hi, np.inf)
+    lam_i, s_i = names.index("lam"), names.index("s")
+    lam_lo, lam_hi = bounds["lam"]
     # Multi-start over the two shape parameters: G's knee makes the cost non-convex.
     best = None
-    for lam in (0.3, 0.6, 0.95):
+    for lam_frac in (0.1, 0.5, 0.95):
         for s in (1.01, 1.2, 1.6):
             start = x0.copy()
-            start[names.index("lam")], start[names.index("s")] = lam, s
-            res = least_squares(residuals, start, bounds=(lo, hi), method="trf", x_scale="jac")
+            start[lam_i], start[s_i] = lam_lo + lam_frac * (lam_hi - lam_lo), s
+            res = least_squares(residuals, start[free], bounds=(lo_all[free], hi_all[free]),
+                                method="trf", x_scale="jac")
             if best is None or res.cost < best.cost:
                 best = res
-    model = theory.TimeModel.from_vector(best.x[:-1])
-    k_kv = float(best.x[-1])
+    vector = full_vector(best.x)
+    model = theory.TimeModel.from_vector(vector[:-1])
+    k_kv = float(vector[-1])
 
     def rows(points):
         out = []
         for b, t, s in points:
-            pred = float(model.target_time(b * t, E, K, RP) + theory.kv_time(b, L, k_kv))
-            out.append({"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred,
-                        "error": pred / s - 1})
+            pred = float(model.target_time(b * t, E, K, R, loads, thr) + theory.kv_time(b, L, k_kv))
+            out.append({"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred, "error": pred / s - 1})
         return out
 
     train_rows, held_rows = rows(train), rows(held)
     mape = float(np.mean([abs(r["error"]) for r in held_rows])) if held_rows else None
     worst = max(held_rows, key=lambda r: abs(r["error"])) if held_rows else None
-    return FitResult(model, k_kv, bounds, train_rows, held_rows, mape, worst, float(best.cost), inputs)
+    return VariantFit(loads, model, k_kv, bounds, train_rows, held_rows, mape, worst, float(best.cost))
+
+
+def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> FitResult:
+    """Every expert-load variant; the lowest held-out MAPE is chosen (ties go to the earlier,
+    MoESD's ``unique`` first)."""
+    fitted = [fit_variant(inputs, name) for name in variants]
+    scored = [v for v in fitted if v.heldout_mape is not None]
+    chosen = min(scored, key=lambda v: v.heldout_mape) if scored else fitted[0]
+    return FitResult(fitted, chosen.name, inputs)
 
 
 # ---- predictions ----
@@ -245,41 +449,35 @@ def verify_tokens(gamma: int, verify: str) -> int:
 
 
 def predict(
-    model: theory.TimeModel,
-    experts: int,
-    top_k: int,
-    ridge: float,
+    model: FittedModel,
+    context: int,
     batches=DEFAULT_BATCHES,
     gammas=DEFAULT_GAMMAS,
     alphas=DEFAULT_ALPHAS,
-    verify: str = "gamma",
-    kv: tuple[float, int] = (0.0, 0),
+    verify: str = DEFAULT_VERIFY,
 ) -> list[dict]:
     """S(B, gamma) and target efficiency for every batch, draft length and acceptance rate.
 
-    ``kv`` is (k_kv, context): the KV-read term added to every target forward.
+    ``speedup`` is None when the drafter was not measured.
     """
     b = np.asarray(batches, dtype=float)
-    kv_term = theory.kv_time(b, kv[1], kv[0])
-    plain = model.target_time(b, experts, top_k, ridge) + kv_term
-    draft = model.draft_time(b, ridge)
-    reject = model.reject_time(b)
+    plain = model.target(b, 1, context)
     rows = []
     for gamma in gammas:
-        verify_t = model.target_time(b * verify_tokens(gamma, verify), experts, top_k, ridge) + kv_term
-        efficiency = theory.target_efficiency(plain, verify_t)
+        efficiency = theory.target_efficiency(plain, model.target(b, verify_tokens(gamma, verify), context))
         for alpha in alphas:
-            sigma = theory.normalised_acceptance(alpha, gamma)
-            s = theory.speedup(sigma, gamma, plain, verify_t, draft, reject)
-            rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha, "speedup": float(v),
-                      "target_efficiency": float(e)} for bb, v, e in zip(batches, s, efficiency)]
+            s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
+                 else [None] * len(batches))
+            rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
+                      "speedup": None if v is None else float(v), "target_efficiency": float(e)}
+                     for bb, v, e in zip(batches, s, efficiency)]
     return rows
 
 
 def peaks(predictions: list[dict]) -> list[dict]:
     """For each (gamma, alpha): the batch of peak speedup and the batches within peak/sqrt(2)."""
     out = []
-    keys = sorted({(p["gamma"], p["alpha"]) for p in predictions})
+    keys = sorted({(p["gamma"], p["alpha"]) for p in predictions if p["speedup"] is not None})
     for gamma, alpha in keys:
         rows = [p for p in predictions if p["gamma"] == gamma and p["alpha"] == alpha]
         top = max(rows, key=lambda p: p["speedup"])
@@ -289,68 +487,116 @@ def peaks(predictions: list[dict]) -> list[dict]:
     return out
 
 
-def sparsity_sweep(model, experts, top_k, ridge, gamma=4, alpha=0.7, batches=DEFAULT_BATCHES,
-                   verify="gamma", kv=(0.0, 0)) -> list[dict]:
+def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches=DEFAULT_BATCHES,
+                   verify=DEFAULT_VERIFY) -> list[dict]:
     """The same fitted model with K changed (as MoESD edits num_experts_per_tok).
 
     Acceptance is held at ``alpha`` for every K, which is what MoESD's rescaling of raw speedups
     by sigma_K0 / sigma_K achieves for measured runs.
     """
-    ks = sorted({k for k in (1, 2, top_k // 2, top_k, 2 * top_k, 4 * top_k) if 1 <= k <= experts})
+    if not model.drafted:
+        return []
+    E, K = model.experts, model.top_k
+    ks = sorted({k for k in (1, 2, K // 2, K, 2 * K, 4 * K) if 1 <= k <= E})
     out = []
     for k in ks:
-        rows = predict(model, experts, k, ridge, batches, (gamma,), (alpha,), verify, kv)
+        changed = FittedModel(model.params, model.k_kv, E, k, model.ridge_tokens, model.loads,
+                              model.sort_threshold, model.drafted)
+        rows = predict(changed, context, batches, (gamma,), (alpha,), verify)
         top = max(rows, key=lambda p: p["speedup"])
-        out.append({"top_k": k, "rho": k / experts, "peak_batch": top["batch"],
-                    "peak_speedup": top["speedup"],
+        out.append({"top_k": k, "rho": k / E, "peak_batch": top["batch"], "peak_speedup": top["speedup"],
                     "speedup_batch1": rows[0]["speedup"]})
     return out
 
 
+def paper_comparison(result: FitResult, alphas=DEFAULT_ALPHAS, gammas=DEFAULT_GAMMAS) -> list[dict]:
+    """Batch-1 speedups: the chosen variant (gamma+1 verify tokens, as the loops run), MoESD's
+    ``unique`` with the same verify, and ``unique`` with the paper's gamma verify tokens."""
+    if not result.inputs.drafted:
+        return []
+    L = result.inputs.context
+    chosen, unique = result.model(), result.model("unique")
+    return [{"gamma": g, "alpha": a,
+             "chosen": float(chosen.speedup(1, g, a, L, "gamma+1")[()]),
+             "unique": float(unique.speedup(1, g, a, L, "gamma+1")[()]),
+             "unique_paper_verify": float(unique.speedup(1, g, a, L, "gamma")[()])}
+            for g in gammas for a in alphas]
+
+
+def regime(result: FitResult) -> str:
+    """One sentence: which expert-load regime the held-out error says this chip follows."""
+    ordered = sorted((v for v in result.variants if v.heldout_mape is not None), key=lambda v: v.heldout_mape)
+    if not ordered:
+        return f"no held-out points: `{result.chosen}` kept by default"
+    best = ordered[0]
+    text = f"On {result.inputs.platform}, `{best.name}` fits best on held-out points: {REGIMES[best.name]}"
+    if len(ordered) > 1 and ordered[1].heldout_mape - best.heldout_mape < INDISTINCT_MAPE:
+        text += (f"; `{ordered[1].name}` is within {INDISTINCT_MAPE * 100:.1f} points of held-out MAPE, "
+                 "so this grid does not tell them apart")
+    return text + "."
+
+
+def _params_doc(v: VariantFit, drafted: bool) -> dict[str, float | None]:
+    side = ("draft_bias", "draft_k", "reject_bias", "reject_k")
+    return {k: (None if (not drafted and k in side) else val) for k, val in v.params.to_dict().items()}
+
+
 def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
     i = result.inputs
-    kv = (result.k_kv, i.context)
-    predictions = predict(result.params, i.experts, i.top_k, i.ridge, alphas=alphas, verify=i.verify, kv=kv)
+    best = result.best
+    chosen = result.model()
+    predictions = predict(chosen, i.context, alphas=alphas, verify=i.verify)
+    sorted_from = (math.ceil(i.sort_threshold / i.top_k) if i.sort_threshold > 0 else 1)
     return {
         "model": i.model,
         "draft_model": i.draft_model,
+        "drafted": i.drafted,
         "experts": i.experts,
         "top_k": i.top_k,
         "context": i.context,
+        "weight_format": i.weight_format,
         "ridge_flop_per_byte": i.ridge,
         "ridge_source": i.ridge_source,
+        "ridge_tokens": i.ridge_tokens,
+        "knee_tokens": best.params.knee(i.ridge_tokens),
         "bandwidth_bytes_s": i.bandwidth,
         "bandwidth_source": i.bandwidth_source,
         "verify_tokens": i.verify,
         "extrapolated": i.extrapolated,
-        "params": result.params.to_dict(),
-        "k_kv": result.k_kv,
-        "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in result.bounds.items()},
-        "train_points": result.train,
-        "heldout_points": result.heldout,
-        "heldout_mape": result.heldout_mape,
-        "worst_point": result.worst,
+        "sort_threshold": i.sort_threshold,
+        "sort_threshold_source": i.sort_threshold_source,
+        "sorted_from_tokens": sorted_from,
+        "chosen": result.chosen,
+        "regime": regime(result),
+        "variants": [{"name": v.name, "heldout_mape": v.heldout_mape, "params": _params_doc(v, i.drafted),
+                      "k_kv": v.k_kv, "knee_tokens": v.params.knee(i.ridge_tokens), "worst_point": v.worst}
+                     for v in result.variants],
+        "missing": list(i.missing),
+        "params": _params_doc(best, i.drafted),
+        "k_kv": best.k_kv,
+        "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},
+        "train_points": best.train,
+        "heldout_points": best.heldout,
+        "heldout_mape": best.heldout_mape,
+        "worst_point": best.worst,
         "predictions": predictions,
         "peaks": peaks(predictions),
-        "sparsity": sparsity_sweep(result.params, i.experts, i.top_k, i.ridge, verify=i.verify, kv=kv),
+        "sparsity": sparsity_sweep(chosen, i.context, verify=i.verify),
+        "paper_comparison": paper_comparison(result, alphas),
     }
 
 
-def speedup_predictor(fit_doc: dict, verify: str = "gamma+1"):
-    """A function (batch, gamma, alpha, self_draft) -> predicted S from a stored fit document.
+def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):
+    """A function (batch, gamma, alpha, self_draft, context) -> predicted S from a stored fit
+    document's chosen variant, or None when the fit had no drafter to predict speedups with.
 
-    ``verify`` defaults to gamma+1 tokens, what the measured SD loops feed the target. With a
-    self-draft the drafter's step is the target's own one-token forward.
+    The KV term is taken at the context passed in (the SD run's own), not the fit's.
     """
-    model = theory.TimeModel(**fit_doc["params"])
-    E, K, RP = fit_doc["experts"], fit_doc["top_k"], fit_doc["ridge_flop_per_byte"]
-    kv = theory.kv_time(1, fit_doc["context"], fit_doc.get("k_kv", 0.0))
+    if not fit_doc.get("drafted") or "chosen" not in fit_doc:
+        return None
+    model = FittedModel.from_document(fit_doc)
 
-    def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool) -> float:
-        plain = model.target_time(batch, E, K, RP) + batch * kv
-        verify_t = model.target_time(batch * verify_tokens(gamma, verify), E, K, RP) + batch * kv
-        draft = plain if self_draft else model.draft_time(batch, RP)
-        sigma = theory.normalised_acceptance(alpha, gamma)
-        return float(theory.speedup(sigma, gamma, plain, verify_t, draft, model.reject_time(batch)))
+    def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool, context: int) -> float:
+        return float(model.speedup(batch, gamma, alpha, context, verify, self_draft)[()])
 
     return predict_one

@@ -90,12 +90,13 @@ def render_theory(doc: dict) -> str:
     E, K = doc["experts"], doc["top_k"]
     lines = [
         f"E = {E} experts, K = {K} per token, rho = K/E = {doc['rho']:.4g}, tau = {doc['tau']}",
-        f"saturation threshold T_thres = {doc['threshold_tokens']} tokens "
-        f"(uniform routing; N(t) >= {doc['tau']} E)",
+        f"MoESD's batch threshold T_thres = {doc['threshold_tokens']} tokens "
+        f"(independent tokens, uniform routing; N(t) >= {doc['tau']} E)",
     ]
     if doc["correlation"] is not None:
         lines.append(
-            f"with correlation c = {doc['correlation']}: {doc['threshold_corrected']} tokens"
+            f"within-sequence threshold at correlation c = {doc['correlation']}: "
+            f"{doc['threshold_corrected']} consecutive tokens of one sequence (N_c(t) = N(1 + c(t-1)))"
         )
     by_t = {row["t"]: row for row in doc["activated"]}
     per_expert = {row["t"]: row["tokens"] for row in doc["tokens_per_expert"]}
@@ -246,8 +247,9 @@ def render_routing(doc: dict) -> str:
         "",
         f"correlation c (consecutive tokens of one sequence): {doc['correlation']:.3f}",
         f"correlation across independent sequences: {doc['batch_correlation']:.3f}",
-        f"saturation threshold: {doc['threshold_uniform']} tokens uniform, "
-        f"{doc['threshold_corrected']} with c = {doc['correlation']:.2f}",
+        f"MoESD's batch threshold (independent tokens): {doc['threshold_uniform']} tokens; "
+        f"within-sequence threshold at c = {doc['correlation']:.2f}: {doc['threshold_corrected']} "
+        "consecutive tokens",
     ]
     sat = {(s["batch"], s["gamma"]): s for s in doc["saturation"]}
     gammas = sorted({g for _, g in sat})
@@ -255,22 +257,42 @@ def render_routing(doc: dict) -> str:
         return ("yes" if s["saturated"] else "-") + ("" if s["source"] == "measured" else "*")
 
     rows = [[str(b)] + [mark(sat[(b, g)]) for g in gammas] for b in batches]
-    lines += ["", f"does a verify window of B x gamma tokens reach {doc['tau']} E? "
+    lines += ["", f"does a verify window of B x (gamma+1) tokens reach {doc['tau']} E? "
               "(* predicted from the fitted correlations, others measured)",
               table(["B \\ gamma", *map(str, gammas)], rows)]
     return "\n".join(lines)
 
 
+def _num(v: float | None, fmt: str = ".4g") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
 def render_fit(doc: dict) -> str:
     p = doc["params"]
+    drafter = f"drafter {doc['draft_model']}" if doc["drafted"] else "no drafter measured"
+    ridge = ("" if doc["ridge_flop_per_byte"] is None
+             else f"ridge {doc['ridge_flop_per_byte']:.1f} FLOP/byte from the ")
+    bandwidth = ("no bandwidth" if doc["bandwidth_bytes_s"] is None
+                 else f"bandwidth {doc['bandwidth_bytes_s'] / 1e9:.1f} GB/s")
     lines = [
-        f"{doc['model']} (E = {doc['experts']}, K = {doc['top_k']}), drafter {doc['draft_model']}, "
-        f"context {doc['context']}; verify forward of {doc['verify_tokens']} tokens",
-        f"ridge {doc['ridge_flop_per_byte']:.1f} FLOP/byte from the {doc['ridge_source']}; "
-        f"bandwidth {doc['bandwidth_bytes_s'] / 1e9:.1f} GB/s",
+        f"{doc['model']} (E = {doc['experts']}, K = {doc['top_k']}, {doc['weight_format']} weights), "
+        f"{drafter}, context {doc['context']}; verify forward of {doc['verify_tokens']} tokens",
+        f"{ridge}{doc['ridge_source']}; {bandwidth}",
+        f"knee of G: {doc['knee_tokens']:.1f} tokens per forward (lam = {p['lam']:.3g} x "
+        f"{doc['ridge_tokens']:.1f} tokens, "
+        + (f"the ridge in tokens for {doc['weight_format']})" if doc["ridge_flop_per_byte"] is not None
+           else "the grid's largest n: no ridge known)"),
+        f"mlx-lm sorts expert pairs from n*K >= {doc['sort_threshold']} ({doc['sort_threshold_source']})",
         "",
+        "expert-load variants (held-out MAPE):",
+        table(["variant", "held-out MAPE", "knee (tokens)", ""],
+              [[v["name"], _num(v["heldout_mape"], ".1%"), f"{v['knee_tokens']:.1f}",
+                "chosen" if v["name"] == doc["chosen"] else ""] for v in doc["variants"]]),
+        doc["regime"],
+        "",
+        f"parameters of `{doc['chosen']}`:",
         table(["parameter", "value", "lower", "upper"],
-              [[k, f"{v:.4g}", f"{doc['bounds'][k][0]:.3g}",
+              [[k, _num(v), f"{doc['bounds'][k][0]:.3g}",
                 "inf" if doc["bounds"][k][1] is None else f"{doc['bounds'][k][1]:.3g}"] for k, v in p.items()]
               + [["k_kv", f"{doc['k_kv']:.4g}", "0", "inf"]]),
         "k_kv: MagicDec's KV-read term, seconds per cached token per sequence (k_kv * B * L)",
@@ -283,13 +305,21 @@ def render_fit(doc: dict) -> str:
                      f"{w['error']:+.1%}")
     alphas = sorted({q["alpha"] for q in doc["predictions"]})
     gammas = sorted({q["gamma"] for q in doc["predictions"]})
+    if not doc["drafted"]:
+        eff = {q["gamma"]: q["target_efficiency"] for q in doc["predictions"] if q["batch"] == 1}
+        lines += ["", f"predicted target efficiency T_T(1,1)/T_T(1,gamma+1) at batch 1 (no speedups: "
+                  "the drafter was not measured)",
+                  table(["gamma", "efficiency"], [[str(g), f"{eff[g]:.2f}"] for g in gammas])]
+        lines += [f"missing: {m}" for m in doc["missing"]]
+        return "\n".join(lines)
     at1 = {(q["gamma"], q["alpha"]): q["speedup"] for q in doc["predictions"] if q["batch"] == 1}
-    lines += ["", "predicted SD speedup at batch 1",
+    lines += ["", f"predicted SD speedup at batch 1 (`{doc['chosen']}`)",
               table(["gamma", *[f"alpha={a:g}" for a in alphas]],
                     [[str(g)] + [f"{at1[(g, a)]:.2f}" for a in alphas] for g in gammas])]
     rows = [[str(k["gamma"]), f"{k['alpha']:g}", str(k["peak_batch"]), f"{k['peak_speedup']:.2f}",
              f"{k['window'][0]}-{k['window'][1]}"] for k in doc["peaks"] if k["gamma"] in (2, 4, 8)]
     lines += ["", table(["gamma", "alpha", "peak B", "peak S", "B within peak/sqrt2"], rows)]
+    lines += [f"missing: {m}" for m in doc["missing"]]
     return "\n".join(lines)
 
 
@@ -299,13 +329,15 @@ def render_spec(doc: dict) -> str:
         pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}"
         err = ("" if r["predicted_speedup"] is None
                else f"{r['predicted_speedup'] / r['measured_speedup'] - 1:+.0%}")
-        rows.append([str(r["batch"]), str(r["gamma"]), f"{r['alpha']:.2f}", r["mode"],
+        rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
+                     _num(r.get("mean_accepted"), ".2f"), r["mode"],
                      f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                      f"{r['measured_speedup']:.2f}", pred, err])
     head = (f"{doc['target']} with drafter {doc['draft']}, context {doc['context']}, "
-            f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs")
-    return head + "\n" + table(["B", "gamma", "alpha", "mode", "plain tok/s", "SD tok/s",
-                                "measured S", "predicted S", "pred/meas"], rows)
+            f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs; "
+            "alpha solved from the mean accepted draft tokens per round unless imposed (emulated)")
+    return head + "\n" + table(["B", "gamma", "verify tokens", "alpha", "accepted/round", "mode",
+                                "plain tok/s", "SD tok/s", "measured S", "predicted S", "pred/meas"], rows)
 
 
 def render_compare(doc: dict) -> str:

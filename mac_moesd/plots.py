@@ -77,21 +77,22 @@ def ratio(d: Digest, folder: Path) -> Path | None:
 
 
 def efficiency(d: Digest, folder: Path) -> Path | None:
-    """Measured target efficiency T_T(B,1)/T_T(B,gamma) against B."""
+    """Measured target efficiency T_T(B,1)/T_T(B,gamma+1) against B (gamma drafts plus one token)."""
     models = [m for m in d.models if m.points]
     if not models:
         return None
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots()
         for i, m in enumerate(models):
-            for gamma, ls in ((2, "-"), (4, "--")):
-                bs, es = m.efficiency_curve(gamma)
+            for gamma, ls in ((1, "-"), (3, "--")):
+                bs, es = m.efficiency_curve(gamma + 1)
                 if bs:
-                    ax.plot(bs, es, ls=ls, marker="o", color=f"C{i}", label=f"{m.name} gamma={gamma}")
+                    ax.plot(bs, es, ls=ls, marker="o", color=f"C{i}",
+                            label=f"{m.name} gamma={gamma} ({gamma + 1}-token verify)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch B")
-        ax.set_ylabel("T_T(B,1) / T_T(B,gamma)")
-        ax.set_title("Target efficiency (measured; 1 = verifying gamma tokens is free)")
+        ax.set_ylabel("T_T(B,1) / T_T(B,gamma+1)")
+        ax.set_title("Target efficiency (measured; 1 = a verify window is free)")
         ax.legend(fontsize=7)
         return _save(fig, folder, "efficiency")
 
@@ -152,7 +153,7 @@ def fit_scatter(d: Digest, folder: Path) -> Path | None:
 
 def speedup(d: Digest, folder: Path, alpha: float = 0.7) -> Path | None:
     """Predicted S(B, gamma) against B per gamma: batch 1, saturation and peak window marked."""
-    fits = d.fits
+    fits = [f for f in d.fits if f["drafted"]]
     if not fits:
         return None
     with plt.rc_context(STYLE):
@@ -164,14 +165,14 @@ def speedup(d: Digest, folder: Path, alpha: float = 0.7) -> Path | None:
                 ax.plot([p["batch"] for p in rows], [p["speedup"] for p in rows], color=f"C{j}",
                         label=f"gamma={gamma}")
                 ax.plot(1, rows[0]["speedup"], marker="o", color=f"C{j}")
-                ax.axvline(threshold / gamma, color=f"C{j}", lw=0.8, ls=":")
+                ax.axvline(threshold / (gamma + 1), color=f"C{j}", lw=0.8, ls=":")
             peak = next(p for p in f["peaks"] if p["gamma"] == 4 and p["alpha"] == alpha)
             ax.axvspan(*peak["window"], color="C2", alpha=0.08, label="gamma=4 within peak/sqrt2")
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("batch B (dotted: B*gamma = T_thres)")
+            ax.set_xlabel("batch B (dotted: B*(gamma+1) = T_thres)")
             ax.set_ylabel(f"predicted speedup (alpha={alpha})")
-            ax.set_title(f"{f['model']}", fontsize=9)
+            ax.set_title(f"{f['model']} (`{f['chosen']}` expert loads)", fontsize=9)
             ax.legend(fontsize=7)
         fig.suptitle("Predicted SD speedup; dots mark batch-1 decode", fontsize=10)
         return _save(fig, folder, "speedup")

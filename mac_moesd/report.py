@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mac_moesd import fit as fit_module
 from mac_moesd import plots, theory
 from mac_moesd.digest import VERIFY_WINDOW, Digest
 from mac_moesd.formatting import seconds
@@ -67,30 +68,50 @@ def _verdict(d: Digest) -> list:
         return blocks + [("p", "No fit yet: run `mac-moesd run` (or `sweep` with `--draft`, then `fit`).")]
     roof = d.roofline
     for fit in d.fits:
+        rho = fit["top_k"] / fit["experts"]
+        threshold = theory.saturation_threshold(rho)
+        drafter = f"drafter {fit['draft_model']}" if fit["drafted"] else "no drafter measured"
+        blocks.append(("h3", f"{fit['model']} (E = {fit['experts']}, K = {fit['top_k']}), {drafter}"))
+        if not fit["drafted"]:
+            eff = {p["gamma"]: p["target_efficiency"] for p in fit["predictions"] if p["batch"] == 1}
+            blocks.append(("p", "No verdict on speedup: " + "; ".join(fit["missing"]) + ". What the "
+                           "target alone says: at batch 1 a verify window of gamma+1 tokens costs "
+                           + ", ".join(f"{1 / eff[g]:.2f}x a plain step at gamma={g}"
+                                       for g in (1, 2, 4) if g in eff)
+                           + f" (`{fit['chosen']}` expert loads)."))
+            continue
         alphas = sorted({p["alpha"] for p in fit["predictions"]})
         at1 = {(p["gamma"], p["alpha"]): p["speedup"] for p in fit["predictions"] if p["batch"] == 1}
         best = _best_gamma(fit, TYPICAL_ALPHA)
         peak = next(p for p in fit["peaks"] if p["gamma"] == best["gamma"] and p["alpha"] == TYPICAL_ALPHA)
-        rho = fit["top_k"] / fit["experts"]
-        threshold = theory.saturation_threshold(rho)
         worth = "pays off" if best["speedup"] > 1.0 else "does not pay off"
-        blocks.append(("h3", f"{fit['model']} (E = {fit['experts']}, K = {fit['top_k']}), drafter {fit['draft_model']}"))
+        window = best["gamma"] + 1
         text = (f"At batch 1 and acceptance {TYPICAL_ALPHA}, SD {worth}: best gamma = {best['gamma']} "
                 f"with a predicted speedup of {f2(best['speedup'])}. For that gamma SD peaks at batch "
                 f"{peak['peak_batch']} ({f2(peak['peak_speedup'])}), within peak/sqrt(2) for batches "
                 f"{peak['window'][0]}-{peak['window'][1]}. A batch-1 step routes 1 token "
-                f"({fit['top_k']} of {fit['experts']} experts); a verify window of {best['gamma']} "
-                f"token{'s' if best['gamma'] != 1 else ''} "
-                f"activates {theory.activated_experts(best['gamma'], fit['experts'], fit['top_k']):.1f} "
-                f"experts under uniform routing, against a saturation threshold of {threshold} tokens.")
+                f"({fit['top_k']} of {fit['experts']} experts); its verify window of {window} tokens "
+                f"(gamma drafts plus one) activates "
+                f"{theory.activated_experts(window, fit['experts'], fit['top_k']):.1f} experts under uniform "
+                f"routing and makes {window * fit['top_k']} token-expert pairs, against MoESD's batch "
+                f"threshold of {threshold} tokens. "
+                + (f"Predictions use the `{fit['chosen']}` expert loads, which fit this chip better than "
+                   "MoESD's `unique` (see the fitted model; `unique` is shown beside)."
+                   if fit["chosen"] != "unique" else
+                   "Predictions use MoESD's own `unique` expert loads, which fit this chip best of the "
+                   "three variants (see the fitted model)."))
         model = d.model(fit["model"])
         if roof and model:
             ridge_tokens = theory.ridge_in_tokens(roof["ridge_flop_per_byte"], model.weight_format)
             text += (f" The ridge in tokens for its {model.weight_format} weights is "
                      f"{ridge_tokens:.1f}: beyond that a forward is compute-bound.")
         blocks.append(("p", text))
-        rows = [[str(g)] + [f2(at1[(g, a)]) for a in alphas] for g in sorted({g for g, _ in at1})]
-        blocks.append(("table", ["gamma", *[f"S at alpha={a:g}" for a in alphas]], rows))
+        unique = {(r["gamma"], r["alpha"]): r["unique"] for r in fit["paper_comparison"]}
+        beside = fit["chosen"] != "unique"  # MoESD's own loads shown next to the chosen ones
+        rows = [[str(g)] + [f2(at1[(g, a)]) for a in alphas] + ([f2(unique[(g, TYPICAL_ALPHA)])] if beside else [])
+                for g in sorted({g for g, _ in at1})]
+        blocks.append(("table", ["gamma", *[f"S at alpha={a:g}" for a in alphas]]
+                       + ([f"MoESD `unique`, alpha={TYPICAL_ALPHA:g}"] if beside else []), rows))
     return blocks
 
 
@@ -131,7 +152,7 @@ def _shape(d: Digest, figures) -> list:
     blocks.append(("table", headers, [r + [""] * (width - len(r)) for r in rows]))
     blocks += _figure(figures, "ratio", "T_T(B,t)/T_T(B,1): MoE models climb with t as each token "
                       "loads more experts; the dense control stays flat while memory-bound.")
-    blocks += _figure(figures, "efficiency", "Measured target efficiency T_T(B,1)/T_T(B,gamma).")
+    blocks += _figure(figures, "efficiency", "Measured target efficiency T_T(B,1)/T_T(B,gamma+1).")
     return blocks
 
 
@@ -144,25 +165,68 @@ def _routing(d: Digest, figures) -> list:
         rows.append([r["model"], r["text"], f"{r['correlation']:.3f}", f"{r['batch_correlation']:.3f}",
                      str(r["threshold_uniform"]), str(r["threshold_corrected"])])
     blocks.append(("table", ["model", "tokens from", "c (one sequence)", "c (across sequences)",
-                             "T_thres uniform", "T_thres corrected"], rows))
+                             "MoESD batch threshold", "within-sequence threshold"], rows))
+    blocks.append(("p", "Correlation is fitted in the anchored form N(1 + c(t-1)) (one token always "
+                   "activates K experts). MoESD's batch threshold counts independent tokens under uniform "
+                   "routing; the within-sequence threshold counts consecutive tokens of one sequence at "
+                   "the fitted c. A verify window of B sequences mixes both."))
     return blocks + _figure(figures, "routing", "Unique experts per layer, measured against uniform N(t).")
 
 
 def _fit(d: Digest, figures) -> list:
-    if not d.fits:
+    if not d.fits and not d.stale_fits:
         return []
     blocks = [("h2", "The fitted MoESD model")]
+    for name in d.stale_fits:
+        blocks.append(("note", f"The stored fit of {name} predates the expert-load variants; rerun "
+                       "`mac-moesd fit` on this results file."))
     for f in d.fits:
         w = f["worst_point"]
-        blocks.append(("p", f"{f['model']}: held-out MAPE **{pct(f['heldout_mape'])}** over "
-                       f"{len(f['heldout_points'])} points, fitted on {len(f['train_points'])}; worst "
-                       f"B={w['batch']} t={w['tokens']} at {w['error']:+.1%}. Ridge from the {f['ridge_source']}; "
-                       f"verify forward of {f['verify_tokens']} tokens."))
-        rows = [[k, f"{v:.4g}"] for k, v in f["params"].items()] + [["k_kv", f"{f['k_kv']:.4g}"]]
-        blocks.append(("table", ["parameter", "value"], rows))
-    blocks += _figure(figures, "fit", "Fitted model against measurement (x: held out).")
+        p = f["params"]
+        blocks.append(("h3", f["model"]))
+        blocks.append(("p", f"Held-out MAPE **{pct(f['heldout_mape'])}** over {len(f['heldout_points'])} "
+                       f"points, fitted on {len(f['train_points'])}; worst B={w['batch']} t={w['tokens']} at "
+                       f"{w['error']:+.1%}. Knee of G at **{f['knee_tokens']:.1f} tokens** per forward "
+                       + (f"(lam = {p['lam']:.3g} of the {f['ridge_tokens']:.1f}-token ridge for "
+                          f"{f['weight_format']} weights; ridge from the {f['ridge_source']}). "
+                          if f["ridge_flop_per_byte"] is not None else
+                          f"(lam = {p['lam']:.3g} of the grid's largest n, {f['ridge_tokens']:g} tokens: "
+                          f"{f['ridge_source']}). ")
+                       + "mlx-lm sorts "
+                       f"(token, expert) pairs from n*K >= {f['sort_threshold']}, n >= "
+                       f"{f['sorted_from_tokens']} tokens here ({f['sort_threshold_source']})."))
+        lam_lo, lam_hi = f["bounds"]["lam"]
+        if min(p["lam"] - lam_lo, lam_hi - p["lam"]) < 1e-3 * lam_hi:
+            side = "lower" if p["lam"] - lam_lo < lam_hi - p["lam"] else "upper"
+            blocks.append(("note", f"lam sits on its {side} bound: the grid puts the knee "
+                           f"{'at or below' if side == 'lower' else 'at or above'} "
+                           f"{f['knee_tokens']:.1f} tokens, and the fit cannot place it more precisely."))
+        rows = [[v["name"], pct(v["heldout_mape"]) if v["heldout_mape"] is not None else "-",
+                 f"{v['knee_tokens']:.1f}", "chosen" if v["name"] == f["chosen"] else ""]
+                for v in f["variants"]]
+        blocks.append(("table", ["expert loads", "held-out MAPE", "knee (tokens)", ""], rows))
+        blocks.append(("p", "Regime: " + f["regime"] + " `unique` reads each activated expert once "
+                       "(MoESD's Algorithm 1, k2*N(n)); `pairs` once per token-expert pair (k2*n*K); "
+                       "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
+        rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"]]
+        blocks.append(("table", ["parameter", f"value (`{f['chosen']}`)"], rows))
+        for line in f["missing"]:
+            blocks.append(("note", line))
+        if f["paper_comparison"]:
+            beside = f["chosen"] != "unique"
+            rows = [[str(r["gamma"]), f2(r["chosen"])] + ([f2(r["unique"])] if beside else [])
+                    + [f2(r["unique_paper_verify"])]
+                    for r in f["paper_comparison"] if r["alpha"] == TYPICAL_ALPHA]
+            blocks.append(("p", f"Against the paper: predicted batch-1 speedup at alpha = {TYPICAL_ALPHA} with "
+                           "the chosen loads and gamma+1 verify tokens (what the loops and mlx-lm run)"
+                           + (", with MoESD's `unique` loads," if beside else ",")
+                           + " and with `unique` loads and the paper's convention of a gamma-token verify "
+                           "forward (MoESD's S(B, gamma) counts gamma verify tokens)."))
+            blocks.append(("table", ["gamma", f"`{f['chosen']}`, gamma+1"]
+                           + (["`unique`, gamma+1"] if beside else []) + ["`unique`, gamma (paper)"], rows))
+    blocks += _figure(figures, "fit", "Fitted model (chosen expert loads) against measurement (x: held out).")
     blocks += _figure(figures, "speedup", "Predicted speedup against batch; dotted lines mark "
-                      "B*gamma = T_thres; shading: the gamma=4 window within peak/sqrt(2).")
+                      "B*(gamma+1) = T_thres; shading: the gamma=4 window within peak/sqrt(2).")
     return blocks
 
 
@@ -178,25 +242,29 @@ def _questions(d: Digest) -> list:
         if bs:
             effs = dict(zip(bs, es))
             line = (f"Two-factor shape: for {m.name} at the largest measured batch B={b}, verifying "
-                    f"{VERIFY_WINDOW} tokens costs {1 / effs[max(bs)]:.2f}x a plain step")
+                    f"{VERIFY_WINDOW} tokens (gamma = {VERIFY_WINDOW - 1}) costs {1 / effs[max(bs)]:.2f}x "
+                    "a plain step")
             if dense and dense[0].efficiency_curve(VERIFY_WINDOW)[0]:
                 dbs, des = dense[0].efficiency_curve(VERIFY_WINDOW)
                 line += f", against {1 / des[-1]:.2f}x for the dense {dense[0].name} at B={dbs[-1]}"
-            fit = next((f for f in d.fits if f["model"] == m.name), None)
+            fit = d.fit_of(m.name)
             if fit:
                 eff = {p["batch"]: p["target_efficiency"] for p in fit["predictions"]
-                       if p["gamma"] == VERIFY_WINDOW and p["alpha"] == TYPICAL_ALPHA}
+                       if p["gamma"] == VERIFY_WINDOW - 1 and p["alpha"] == TYPICAL_ALPHA}
                 line += ("; the fit predicts target efficiency " +
                          ", ".join(f"{eff[bb]:.2f} at B={bb}" for bb in (8, 16, 32) if bb in eff))
             items.append(line + " (figures: ratio, efficiency).")
+    gamma = VERIFY_WINDOW - 1
     for r in d.routing:
-        saturated = [s for s in r["saturation"] if s["saturated"] and s["gamma"] == VERIFY_WINDOW]
+        saturated = [s for s in r["saturation"] if s["saturated"] and s["gamma"] == gamma]
         first = min((s["batch"] for s in saturated), default=None)
-        where = (f"from B={first} agents (gamma={VERIFY_WINDOW}) the verify window saturates the experts"
-                 if first else f"no measured batch saturates the experts at gamma={VERIFY_WINDOW}")
-        items.append(f"Multi-agent saturation for {r['model']}: with correlation c={r['correlation']:.2f} "
-                     f"the threshold rises from {r['threshold_uniform']} to {r['threshold_corrected']} "
-                     f"tokens; {where} (figure: routing).")
+        where = (f"from B={first} agents (gamma={gamma}, {VERIFY_WINDOW}-token verify windows) the "
+                 "experts saturate" if first else
+                 f"no measured batch saturates the experts at gamma={gamma}")
+        items.append(f"Multi-agent saturation for {r['model']}: MoESD's batch threshold is "
+                     f"{r['threshold_uniform']} independent tokens; consecutive tokens of one sequence "
+                     f"(c = {r['correlation']:.2f}) saturate only after {r['threshold_corrected']} "
+                     f"(the within-sequence threshold); {where} (figure: routing).")
     if d.roofline:
         roof = d.roofline
         items.append(f"Ridge point: {roof['ridge_flop_per_byte']:.1f} FLOP/byte, so a 4-bit model turns "
@@ -210,17 +278,26 @@ def _spec(d: Digest) -> list:
         return []
     blocks = [("h2", "Measured speculative decoding")]
     for s in d.spec:
+        fitted = d.fit_of(s["target"])
+        predictor = fit_module.speedup_predictor(fitted) if fitted else None
         rows = []
         for r in s["runs"]:
-            pred = "-" if r["predicted_speedup"] is None else f2(r["predicted_speedup"])
-            rows.append([str(r["batch"]), str(r["gamma"]), f"{r['alpha']:.2f}", r["mode"],
+            # Predicted with the current fit at the run's own alpha and context.
+            pred = (predictor(r["batch"], r["gamma"], r["alpha"], r["mode"] == "self-draft", s["context"])
+                    if predictor and r["alpha"] is not None else r["predicted_speedup"])
+            err = "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}"
+            rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),
+                         "-" if r["alpha"] is None else f"{r['alpha']:.2f}", r["mode"],
                          f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
-                         f2(r["measured_speedup"]), pred])
+                         f2(r["measured_speedup"]), "-" if pred is None else f2(pred), err])
+        how = (f"predicted by the current fit (`{fitted['chosen']}` expert loads) at each run's alpha and "
+               f"context" if predictor else "predicted as stored with the run")
         blocks.append(("p", f"{s['target']} with drafter {s['draft']}, context {s['context']}, "
                        f"{s['new_tokens']} tokens per sequence, median of {s['runs'][0]['repeats']} runs; "
-                       f"verify forward of {s['verify_tokens']} tokens."))
-        blocks.append(("table", ["B", "gamma", "alpha", "mode", "plain tok/s", "SD tok/s",
-                                 "measured S", "predicted S"], rows))
+                       f"each verify forward has gamma+1 tokens; {how}. In emulated-acceptance runs alpha "
+                       "is imposed; in real runs it is solved from the mean accepted draft tokens per round."))
+        blocks.append(("table", ["B", "gamma", "verify tokens", "alpha", "mode", "plain tok/s", "SD tok/s",
+                                 "measured S", "predicted S", "pred/meas"], rows))
     return blocks
 
 

@@ -25,7 +25,8 @@ from scipy.optimize import least_squares
 from mac_moesd import memory, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 
-__all__ = ["capture_routing", "count_windows", "fit_correlation", "routing_document", "token_source"]
+__all__ = ["analyse_windows", "capture_routing", "count_windows", "fit_correlation", "reanalyse",
+           "routing_document", "token_source"]
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 _recording_classes: dict[type, type] = {}
@@ -170,19 +171,20 @@ def count_windows(indices: np.ndarray, batch: int, tokens: int) -> Window:
 
 
 def fit_correlation(windows: list[Window], experts: int, top_k: int) -> float:
-    """c in N_c(t) = E(1 - (1 - rho)^(c t)) fitted by least squares to measured unique counts.
+    """c in the anchored form N(1 + c*(n - 1)), fitted by least squares to measured unique counts.
 
-    Windows of B sequences count B*t tokens. c is bounded to (0, 1]: 1 is uniform routing.
+    n counts the window's B*t tokens; one token always hits exactly K experts, which the form
+    keeps for every c. c is bounded to (0, 1]: 1 is uniform routing.
     """
     n = np.array([w.batch * w.tokens for w in windows], dtype=float)
     measured = np.array([w.measured_unique for w in windows])
-    informative = n > 1  # one token always hits exactly K experts
+    informative = n > 1
     if not informative.any():
         return 1.0
     n, measured = n[informative], measured[informative]
 
     def residual(c):
-        return theory.activated_experts(c[0] * n, experts, top_k) - measured
+        return theory.activated_experts(theory.correlated_tokens(n, c[0]), experts, top_k) - measured
 
     return float(least_squares(residual, x0=[0.9], bounds=([1e-3], [1.0])).x[0])
 
@@ -196,8 +198,16 @@ def routing_document(
     tau: float,
     gammas: tuple[int, ...] = tuple(range(1, 9)),
 ) -> dict:
-    rho = theory.sparsity(experts, top_k)
     windows = [count_windows(indices, b, t) for b in batches for t in tokens]
+    return analyse_windows(windows, experts, top_k, tau, gammas)
+
+
+def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
+                    gammas: tuple[int, ...] = tuple(range(1, 9))) -> dict:
+    """Correlations, thresholds and verify-window saturation from counted windows (measured or
+    stored in a results file)."""
+    rho = theory.sparsity(experts, top_k)
+    batches = sorted({w.batch for w in windows})
     single = [w for w in windows if w.batch == 1]
     across = [w for w in windows if w.tokens == 1]
     correlation = fit_correlation(single, experts, top_k)
@@ -210,18 +220,20 @@ def routing_document(
             "std_unique": w.std_unique, "windows": w.windows,
             "uniform_unique": float(theory.activated_experts(n, experts, top_k)),
         })
-    # A verify window is B sequences x gamma tokens: measured where the grid has it, else
-    # predicted as B*c_batch*c*gamma uniform tokens (independent sequences of correlated tokens).
+    # A verify window is B sequences x (gamma+1) tokens: measured where the grid has it, else
+    # predicted with both anchored forms: B independent sequences act like 1 + c_batch*(B-1)
+    # uniform ones, each sequence's gamma+1 consecutive tokens like 1 + c*gamma uniform ones.
     measured = {(w.batch, w.tokens): w.measured_unique for w in windows}
     saturation = []
     for b in batches:
         for g in gammas:
-            if (b, g) in measured:
-                active, how = measured[(b, g)], "measured"
+            if (b, g + 1) in measured:
+                active, how = measured[(b, g + 1)], "measured"
             else:
-                effective = b * batch_correlation * correlation * g
+                effective = (theory.correlated_tokens(b, batch_correlation)
+                             * theory.correlated_tokens(g + 1, correlation))
                 active, how = float(theory.activated_experts(effective, experts, top_k)), "predicted"
-            saturation.append({"batch": b, "gamma": g, "verify_tokens": b * g, "unique": active,
+            saturation.append({"batch": b, "gamma": g, "verify_tokens": b * (g + 1), "unique": active,
                                "source": how, "saturated": active >= tau * experts})
     return {
         "experts": experts,
@@ -232,9 +244,19 @@ def routing_document(
         "correlation": correlation,
         "batch_correlation": batch_correlation,
         "threshold_uniform": theory.saturation_threshold(rho, tau),
+        # Within-sequence threshold (consecutive tokens of one sequence), not MoESD's batch one.
         "threshold_corrected": theory.correlated_threshold(rho, correlation, tau),
         "saturation": saturation,
     }
+
+
+def reanalyse(document: dict) -> dict:
+    """A stored routing document with its fits redone from its counted windows (no new routing)."""
+    windows = [Window(w["batch"], w["tokens"], w["measured_unique"], w["std_unique"], w["windows"])
+               for w in document["windows"]]
+    gammas = tuple(sorted({s["gamma"] for s in document["saturation"]})) or tuple(range(1, 9))
+    return {**document, **analyse_windows(windows, document["experts"], document["top_k"],
+                                          document["tau"], gammas)}
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mac_moesd import memory
+from mac_moesd import acceptance, memory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.sampling import rejection_sample
 from mac_moesd.sweep import PREFILL_CHUNK, RolledBackCache
@@ -81,10 +81,11 @@ class Decoder:
             mx.eval(y)
         return steps * self.batch
 
-    def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None) -> tuple[int, int, int]:
-        """Rounds until every sequence has ``new_tokens``; returns (tokens, drafted, accepted)."""
+    def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None) -> tuple[int, list[int]]:
+        """Rounds until every sequence has ``new_tokens``; returns (tokens, draft tokens accepted
+        in each round by each sequence)."""
         produced = np.zeros(self.batch, dtype=int)
-        drafted = accepted_total = 0
+        per_round: list[int] = []
         y = self.pending
         while produced.min() < new_tokens:
             x, drafts, draft_logits = y, [], []
@@ -119,10 +120,9 @@ class Decoder:
             else:
                 trim_prompt_cache(self.draft_cache, gamma - 1 - shared)
             produced += accepted + 1
-            drafted += gamma * self.batch
-            accepted_total += int(accepted.sum())
+            per_round += [int(a) for a in accepted]
             y = greedy[:, shared : shared + 1]
-        return int(produced.sum()), drafted, accepted_total
+        return int(produced.sum()), per_round
 
 
 def paired(plain, speculative, repeats: int, reset) -> tuple[list[float], list[float], object]:
@@ -171,12 +171,13 @@ def mlx_lm_batch1(target, draft, context, new_tokens, gamma, repeats, vocab, rng
         return sum(1 for _ in generate_step(prompt, target, max_tokens=new_tokens))
 
     def spec():
-        return sum(int(d) for _, _, d in speculative_generate_step(
-            prompt, target, draft, num_draft_tokens=gamma, max_tokens=new_tokens))
+        return [bool(d) for _, _, d in speculative_generate_step(
+            prompt, target, draft, num_draft_tokens=gamma, max_tokens=new_tokens)]
 
     plain_times, spec_times, from_draft = paired(plain, spec, repeats, lambda: None)
     row = summarise_pairs(new_tokens, plain_times, new_tokens, spec_times)
-    return {**row, "acceptance": from_draft / new_tokens, "engine": "mlx-lm"}
+    return {**row, "accepted_per_round": acceptance.mlx_lm_rounds(from_draft, gamma, new_tokens),
+            "engine": "mlx-lm"}
 
 
 def estimate(cfg: SpecConfig, target, draft) -> dict:
@@ -214,10 +215,14 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
 
 
 def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None) -> dict:
-    """Measure every (batch, gamma, alpha); ``predictor(batch, gamma, alpha, self_draft)`` gives
-    the fitted model's speedup for the same configuration, or None. A target and drafter too big
-    for ``available_bytes`` are measured on slices (``plan_models``), without a prediction: the
-    fit predicts the full model."""
+    """Measure every (batch, gamma, alpha); ``predictor(batch, gamma, alpha, self_draft, context)``
+    gives the fitted model's speedup for the same configuration at this run's context, or None.
+    A target and drafter too big for ``available_bytes`` are measured on slices (``plan_models``),
+    without a prediction: the fit predicts the full model.
+
+    Every run records its acceptance as measured: mean accepted draft tokens per round, sigma,
+    acceptance by position and the alpha solved from the mean; modes without an imposed alpha
+    predict with the solved one."""
     rng = np.random.default_rng(cfg.seed)
     target, draft, need = plan_models(cfg, available_bytes)
     sliced = target.layers < target.layers_full
@@ -241,20 +246,26 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                 if batch == 1 and cfg.mode == "real":
                     row = mlx_lm_batch1(target.model, draft.model, cfg.context, cfg.new_tokens, gamma,
                                         cfg.repeats, vocab, rng)
-                    measured_alpha = row.pop("acceptance")
+                    per_round = row.pop("accepted_per_round")
                 else:
-                    plain_times, spec_times, (tokens, drafted, accepted) = paired(
+                    plain_times, spec_times, (tokens, per_round) = paired(
                         lambda: decoder.plain(cfg.new_tokens),
                         lambda: decoder.speculative(cfg.new_tokens, gamma, cfg.mode, alpha),
                         cfg.repeats, decoder.reset)
                     row = summarise_pairs(cfg.new_tokens * batch, plain_times, tokens, spec_times)
                     row["engine"] = "mac-moesd loop"
-                    measured_alpha = accepted / drafted
-                effective = alpha if alpha is not None else min(max(measured_alpha, 1e-6), 1.0)
-                predicted = predictor(batch, gamma, effective, cfg.mode == "self-draft") if predictor else None
+                # alpha solved from the mean accepted length per round, never accepted/drafted.
+                measured = acceptance.summarise_rounds(per_round, gamma) if per_round else None
+                effective = alpha if alpha is not None else (measured["alpha"] if measured else None)
+                predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", cfg.context)
+                             if predictor and effective is not None else None)
                 runs.append({
                     "batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
-                    "measured_acceptance": measured_alpha,
+                    "measured_alpha": measured["alpha"] if measured else None,
+                    "mean_accepted": measured["mean_accepted"] if measured else None,
+                    "sigma": measured["sigma"] if measured else None,
+                    "acceptance_by_position": measured["acceptance_by_position"] if measured else None,
+                    "rounds": measured["rounds"] if measured else 0,
                     "predicted_speedup": predicted, "repeats": cfg.repeats, **row,
                 })
         del decoder

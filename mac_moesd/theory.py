@@ -17,6 +17,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "EXPERT_LOADS",
+    "MLX_SORT_THRESHOLD",
     "WEIGHT_FORMATS",
     "TimeModel",
     "activated_experts",
@@ -25,8 +27,11 @@ __all__ = [
     "compute_transition",
     "correlated_activated_experts",
     "correlated_threshold",
+    "correlated_tokens",
+    "expert_loads",
     "expected_tokens_per_round",
     "kv_time",
+    "mean_accepted_length",
     "normalised_acceptance",
     "ridge_in_tokens",
     "saturation_threshold",
@@ -90,23 +95,34 @@ def tokens_per_expert(t: ArrayLike, rho: float) -> np.ndarray:
 def correlated_activated_experts(
     t: ArrayLike, experts: int, top_k: int, correlation: float
 ) -> np.ndarray:
-    """N_c(t) = E * (1 - (1 - rho)^(c*t)): correlated tokens act like c*t independent ones.
+    """N_c(t) = N(1 + c*(t - 1)): t consecutive tokens of one sequence act like 1 + c*(t-1) uniform ones.
 
-    c = 1 is uniform routing; c < 1 models consecutive tokens reusing experts (Cohere's
-    measurement: 128 experts top-8, 20.36 unique in a 4-token window against 29.1 uniform).
+    Anchored at one token, which always activates exactly K experts; c = 1 is uniform routing,
+    c < 1 models consecutive tokens reusing experts (Cohere: 128 experts top-8, 20.36 unique in a
+    4-token window against 29.1 uniform, c ~ 0.56). Applies per sequence, not across a batch.
     """
     _check_correlation(correlation)
-    return activated_experts(correlation * np.asarray(t, dtype=float), experts, top_k)
+    return activated_experts(correlated_tokens(t, correlation), experts, top_k)
+
+
+def correlated_tokens(t: ArrayLike, correlation: float) -> np.ndarray:
+    """1 + c*(t - 1): the uniform-token equivalent of t correlated tokens (anchored at t = 1)."""
+    return 1.0 + correlation * (np.asarray(t, dtype=float) - 1.0)
 
 
 def correlated_threshold(rho: float, correlation: float, tau: float = 0.95) -> int:
-    """Saturation threshold under correlation c: ceil(log(1 - tau) / (c * log(1 - rho)))."""
+    """Within-sequence threshold: fewest consecutive tokens t of one sequence with N_c(t) >= tau*E.
+
+    1 + c*(t - 1) >= log(1 - tau) / log(1 - rho); not MoESD's batch threshold T_thres, which counts
+    independent tokens.
+    """
     _check_rho(rho)
     _check_tau(tau)
     _check_correlation(correlation)
     if rho == 1.0:
         return 1
-    return int(np.ceil(np.log(1.0 - tau) / (correlation * np.log(1.0 - rho)) - _CEIL_SLACK))
+    uniform = np.log(1.0 - tau) / np.log(1.0 - rho)
+    return max(1, int(np.ceil(1.0 + (uniform - 1.0) / correlation - _CEIL_SLACK)))
 
 
 def _check_correlation(correlation: float) -> None:
@@ -126,6 +142,11 @@ def expected_tokens_per_round(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
         omega = (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
     # alpha -> 1: every draft token is accepted, plus the bonus token.
     return np.where(alpha == 1.0, gamma + 1.0, omega)
+
+
+def mean_accepted_length(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
+    """L = alpha*(1 - alpha^gamma)/(1 - alpha): draft tokens accepted per round (Omega less the bonus)."""
+    return expected_tokens_per_round(alpha, gamma) - 1.0
 
 
 def normalised_acceptance(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
@@ -172,13 +193,47 @@ def kv_time(batch: ArrayLike, context: ArrayLike, k_kv: float) -> np.ndarray:
     return k_kv * np.asarray(batch, dtype=float) * np.asarray(context, dtype=float)
 
 
+# How a forward reads the experts its tokens picked (DESIGN §1, "expert loads as MLX executes them").
+# unique: each activated expert once per forward (MoESD Algorithm 1, k2*N(n));
+# pairs: one read per (token, expert) pair (k2*n*K), what an unsorted gather does;
+# mlx: pairs below mlx-lm's sort threshold on indices.size = n*K, unique at and above it.
+EXPERT_LOADS = ("unique", "pairs", "mlx")
+MLX_SORT_THRESHOLD = 64  # mlx_lm/models/switch_layers.py: `indices.size >= 64` sorts by expert
+
+
+def expert_loads(
+    n: ArrayLike, experts: int, top_k: int, loads: str = "unique", sort_threshold: int = MLX_SORT_THRESHOLD
+) -> tuple[np.ndarray, np.ndarray]:
+    """(expert reads, tokens per read) for n tokens in one forward, under an expert-load variant.
+
+    A read that serves one token (an unsorted pair) has tokens per read 0 here: its one-token
+    product is memory-bound at any n, so its cost is all in the per-read term k2 and the
+    expert-compute term k3*G(.) must not add to it (k3*G(1) would only duplicate the bias).
+    """
+    if loads not in EXPERT_LOADS:
+        raise ValueError(f"unknown expert-load variant {loads!r} (known: {', '.join(EXPERT_LOADS)})")
+    n = np.asarray(n, dtype=float)
+    active = activated_experts(n, experts, top_k)
+    unique_reads, unique_tokens = active, n * top_k / active
+    pair_reads, pair_tokens = n * top_k, np.zeros_like(n)
+    if loads == "unique":
+        return unique_reads, unique_tokens
+    if loads == "pairs":
+        return pair_reads, pair_tokens
+    sorted_ = n * top_k >= sort_threshold
+    return np.where(sorted_, unique_reads, pair_reads), np.where(sorted_, unique_tokens, pair_tokens)
+
+
 @dataclass(frozen=True)
 class TimeModel:
     """The 10 fitted parameters of MoESD Algorithm 1 (seconds; lam and s dimensionless).
 
-    T_T(n) = bias + k1*G(n) + k2*N(n) + k3*G(n*K/N(n)),  G = G(.; lam*RP, s)
+    T_T(n) = bias + k1*G(n) + k2*R(n) + k3*G(n*K/R(n)),  G = G(.; lam*ridge_tokens, s)
     T_D(B) = draft_bias + draft_k*G(B)
     T_rej(B) = reject_bias + reject_k*B
+    R(n) is the expert reads of the variant (``expert_loads``): N(n) in MoESD. The knee of G is
+    in tokens per forward: lam * ridge_in_tokens(RP, format); Algorithm 1 writes lam*RP because
+    the paper ran 2-byte weights, for which the two agree.
     """
 
     bias: float
@@ -206,22 +261,35 @@ class TimeModel:
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
-    def target_time(self, n: ArrayLike, experts: int, top_k: int, ridge: float) -> np.ndarray:
-        """T_T for n tokens in one forward (n = B plain, n = B*gamma verify)."""
+    def knee(self, ridge_tokens: float) -> float:
+        """Tokens per forward where G turns from exponential to linear."""
+        return self.lam * ridge_tokens
+
+    def target_time(
+        self,
+        n: ArrayLike,
+        experts: int,
+        top_k: int,
+        ridge_tokens: float,
+        loads: str = "unique",
+        sort_threshold: int = MLX_SORT_THRESHOLD,
+    ) -> np.ndarray:
+        """T_T for n tokens in one forward (n = B plain, n = B*(gamma+1) or B*gamma verify)."""
         n = np.asarray(n, dtype=float)
-        knee = self.lam * ridge
-        active = activated_experts(n, experts, top_k)
-        per_expert = n * top_k / active
+        knee = self.knee(ridge_tokens)
+        reads, per_read = expert_loads(n, experts, top_k, loads, sort_threshold)
+        batched = compute_transition(np.maximum(per_read, 1.0), knee, self.s)
+        expert_compute = np.where(per_read > 0, batched, 0.0)
         return (
             self.bias
             + self.k1 * compute_transition(n, knee, self.s)
-            + self.k2 * active
-            + self.k3 * compute_transition(per_expert, knee, self.s)
+            + self.k2 * reads
+            + self.k3 * expert_compute
         )
 
-    def draft_time(self, batch: ArrayLike, ridge: float) -> np.ndarray:
+    def draft_time(self, batch: ArrayLike, ridge_tokens: float) -> np.ndarray:
         """T_D(B, 1): one drafter step for B sequences."""
-        return self.draft_bias + self.draft_k * compute_transition(batch, self.lam * ridge, self.s)
+        return self.draft_bias + self.draft_k * compute_transition(batch, self.knee(ridge_tokens), self.s)
 
     def reject_time(self, batch: ArrayLike) -> np.ndarray:
         """T_rej(B): rejection sampling for B sequences."""

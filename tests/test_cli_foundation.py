@@ -27,14 +27,18 @@ def test_theory_json_thresholds(experts, top_k, expected):
 
 def test_theory_correlation():
     doc = json.loads(invoke("theory", "-E", "64", "-K", "8", "-c", "0.67", "--json").stdout)
-    assert doc["threshold_corrected"] == 34
-    assert doc["threshold_corrected"] / doc["threshold_tokens"] == pytest.approx(1 / 0.67, rel=0.05)
+    assert doc["threshold_corrected"] == 33  # ceil(1 + (22.43 - 1)/0.67)
+    assert doc["activated"][0]["correlated"] == 8.0  # exactly K at t = 1
+    doc = json.loads(invoke("theory", "-E", "128", "-K", "8", "-c", "0.5613", "--max-tokens", "4",
+                            "--json").stdout)
+    assert doc["activated"][0]["correlated"] == pytest.approx(8.0, abs=1e-12)
+    assert doc["activated"][3]["correlated"] == pytest.approx(20.36, abs=0.01)  # Cohere's window
 
 
 def test_theory_table():
     result = invoke("theory", "-E", "8", "-K", "2", "--gamma", "2,4", "--alpha", "0.5,0.9")
     assert result.exit_code == 0
-    assert "saturation threshold T_thres = 11 tokens" in result.output
+    assert "MoESD's batch threshold T_thres = 11 tokens" in result.output
     lines = result.output.splitlines()
     assert any(line.split()[:3] == ["1", "2.00", "0.250"] for line in lines)
     sigma = float(theory.normalised_acceptance(0.9, 4))

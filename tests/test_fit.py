@@ -1,4 +1,7 @@
+import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 
 E, K, RP, BW, L = 64, 4, 10.8, 7.6e9, 64
+RT = theory.ridge_in_tokens(RP, "fp32")  # 21.6 tokens: the knee's scale for fp32 weights
 TRUE = theory.TimeModel(bias=0.004, k1=0.004, k2=0.0012, k3=0.002, lam=0.6, s=1.15,
                         draft_bias=0.003, draft_k=0.0005, reject_bias=0.0005, reject_k=0.0012)
 K_KV = 2e-5
@@ -16,29 +20,34 @@ FOOTPRINT = {"experts": E, "top_k": K, "bytes_dense_streamed": 0.003 * BW,
              "bytes_per_expert": 0.001 * BW, "bytes_head": 0, "bytes_embedding": 0, "params_head": 1}
 
 
-def true_time(b, t):
-    return float(TRUE.target_time(b * t, E, K, RP) + theory.kv_time(b, L, K_KV))
+def true_time(b, t, model=TRUE, ridge_tokens=RT, loads="unique"):
+    return float(model.target_time(b * t, E, K, ridge_tokens, loads) + theory.kv_time(b, L, K_KV))
 
 
 def synthetic_results(batches=(1, 2, 4, 8, 16), tokens=(1, 2, 3, 4, 6, 8), noise=0.01, seed=0,
-                      roofline=True):
+                      roofline=True, model=TRUE, ridge=RP, bits=None, loads="unique", drafter=True):
     rng = np.random.default_rng(seed)
     jitter = lambda v: float(v * (1 + noise * rng.standard_normal()))  # noqa: E731
-    points = {f"{b}x{t}": {"median_s": jitter(true_time(b, t))} for b in batches for t in tokens}
-    draft = {f"{b}x1": {"median_s": jitter(TRUE.draft_time(b, RP))} for b in batches}
-    reject = {f"{b}x5": {"median_s": jitter(TRUE.reject_time(b))} for b in batches}
+    rt = theory.ridge_in_tokens(ridge, f"{bits}bit" if bits else "fp32")
+    points = {f"{b}x{t}": {"median_s": jitter(true_time(b, t, model, rt, loads))}
+              for b in batches for t in tokens}
+    draft = {f"{b}x1": {"median_s": jitter(model.draft_time(b, rt))} for b in batches}
+    reject = {f"{b}x5": {"median_s": jitter(model.reject_time(b))} for b in batches}
     data = {
         "schema": "mac-moesd/1",
         "meta": {"chip": "Apple M2 Max", "gpu_cores": 38},
-        "sweeps": {"m": {"model": "synthetic-moe", "dtype": "float32", "bits": None, "context": L,
+        "sweeps": {"m": {"model": "synthetic-moe", "dtype": "float32", "bits": bits, "context": L,
                          "layers": 4, "layers_full": 4, "footprint": FOOTPRINT, "points": points}},
         "draft": {"d": {"model": "synthetic-draft", "footprint": {"bytes_dense_streamed": 0.002 * BW},
                         "points": draft}},
         "reject": {"r": {"vocab": 4096, "gamma": 4, "points": reject}},
     }
     if roofline:
-        data["roofline"] = {"ridge_flop_per_byte": RP, "ridge_dtype": "float32",
+        data["roofline"] = {"ridge_flop_per_byte": ridge, "ridge_dtype": "float32",
+                            "ridge_by_dtype": {"float32": ridge, "float16": ridge / 40},
                             "bandwidth_ceiling_gbs": BW / 1e9, "bandwidth_ceiling_source": "gemv"}
+    if not drafter:
+        del data["draft"], data["reject"]
     return data
 
 
@@ -49,7 +58,7 @@ def test_fit_recovers_known_parameters_from_noisy_data():
     assert result.heldout_mape < 0.02
     for b in (1, 2, 4, 8, 16):
         for t in (1, 2, 4, 8):
-            got = result.params.target_time(b * t, E, K, RP) + theory.kv_time(b, L, result.k_kv)
+            got = result.model().target(b, t, L)
             assert got == pytest.approx(true_time(b, t), rel=0.03)
     # bias, k1 and k3 trade off against each other on so few points (G(n) ~ s^n near n = 1),
     # so only the curve and the drafter's and rejection's separable terms are checked one by one.
@@ -78,7 +87,9 @@ def paper_regime(top_k):
         lam=lam, s=s, draft_bias=1e9 / bw, draft_k=2 * 0.5e9 / flops / unit,
         reject_bias=1e-4, reject_k=1e-6)
     batches = list(range(1, 257))
-    rows = fit.predict(model, 64, top_k, ridge, batches, (4,), (0.8,))
+    # 2-byte weights, as the paper ran: the ridge in tokens equals RP; MoESD's gamma verify tokens.
+    fitted = fit.FittedModel(model, 0.0, 64, top_k, theory.ridge_in_tokens(ridge, "bf16"), "unique", 64, True)
+    rows = fit.predict(fitted, 0, batches, (4,), (0.8,), verify="gamma")
     return batches, [r["speedup"] for r in rows]
 
 
@@ -103,19 +114,49 @@ def test_missing_roofline_falls_back_to_spec_and_says_so():
     inputs = fit.inputs_from_results(synthetic_results(roofline=False))
     assert "published spec of Apple M2 Max" in inputs.ridge_source
     assert inputs.ridge == pytest.approx(13.6e12 / 400e9)
-    data = synthetic_results(roofline=False)
-    data["meta"] = {"chip": "AMD EPYC"}
-    with pytest.raises(MacMoesdError, match="run `mac-moesd roofline` first"):
-        fit.inputs_from_results(data)
+    assert inputs.ridge_tokens == pytest.approx(13.6e12 / 400e9 * 4 / 2)  # fp32: 4 bytes/param
+    # A 4-bit model: the knee's scale is the ridge times 0.5625/2 bytes, and the FP32-only
+    # published figure is said to stand in for the fp16 compute.
+    data = synthetic_results(roofline=False, bits=4)
+    data["sweeps"]["m"]["dtype"] = "float16"
+    inputs = fit.inputs_from_results(data)
+    assert inputs.ridge_tokens == pytest.approx(13.6e12 / 400e9 * 0.5625 / 2)
+    assert "Apple publishes FP32 only" in inputs.ridge_source
 
 
-def test_missing_draft_or_sweep():
-    data = synthetic_results()
-    del data["draft"]
-    with pytest.raises(MacMoesdError, match="--draft"):
-        fit.inputs_from_results(data)
+def test_measured_ridge_of_the_compute_dtype():
+    data = synthetic_results(bits=4)
+    data["sweeps"]["m"]["dtype"] = "float16"
+    inputs = fit.inputs_from_results(data)
+    assert inputs.ridge == pytest.approx(RP / 40)  # the float16 matmul ridge, not float32's
+    assert inputs.ridge_tokens == pytest.approx(RP / 40 * 0.5625 / 2)
+
+
+def test_missing_sweep():
     with pytest.raises(MacMoesdError, match="no MoE sweep"):
         fit.inputs_from_results({"schema": "mac-moesd/1", "meta": {}})
+
+
+def test_fit_without_drafter_or_roofline_predicts_target_efficiency():
+    data = synthetic_results(roofline=False, drafter=False)
+    data["meta"] = {"chip": "AMD EPYC"}
+    inputs = fit.inputs_from_results(data)
+    assert not inputs.drafted and inputs.ridge is None and inputs.bandwidth is None
+    assert inputs.ridge_tokens == 16 * 8  # the knee is fitted within the grid
+    assert any("--draft" in m for m in inputs.missing)
+    assert any("within the grid" in m for m in inputs.missing)
+    result = fit.fit(inputs)
+    doc = fit.fit_document(result)
+    assert doc["params"]["draft_bias"] is None and doc["params"]["reject_k"] is None
+    assert all(p["speedup"] is None for p in doc["predictions"])
+    assert all(0 < p["target_efficiency"] <= 1.01 for p in doc["predictions"])
+    assert doc["peaks"] == [] and doc["paper_comparison"] == []
+    assert fit.speedup_predictor(doc) is None
+    # The efficiency it predicts is the true one, within the fit's error.
+    true_eff = true_time(1, 1) / true_time(1, 5)
+    got = next(p for p in doc["predictions"] if p["batch"] == 1 and p["gamma"] == 4)
+    assert got["target_efficiency"] == pytest.approx(true_eff, rel=0.05)
+    assert doc["heldout_mape"] < 0.03
 
 
 def test_peaks_and_window():
@@ -139,6 +180,89 @@ def test_cli_fit_json(tmp_path):
     p = doc["predictions"][0]
     assert {"batch", "gamma", "alpha", "speedup", "target_efficiency"} <= set(p)
     assert json.loads(path.read_text())["fits"]["synthetic-moe"]["heldout_mape"] == doc["heldout_mape"]
+    assert [v["name"] for v in doc["variants"]] == ["unique", "pairs", "mlx"]
+    best = min(doc["variants"], key=lambda v: v["heldout_mape"])
+    assert doc["chosen"] == best["name"] and doc["heldout_mape"] == best["heldout_mape"]
+    assert doc["verify_tokens"] == "gamma+1"
+    assert doc["sort_threshold"] == 64 and "switch_layers.py" in doc["sort_threshold_source"]
+
+
+def test_cli_fit_without_drafter_or_roofline_exits_0_and_names_what_is_missing(tmp_path):
+    data = synthetic_results(roofline=False, drafter=False)
+    data["meta"] = {"chip": "AMD EPYC"}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(cli, ["fit", str(path)])
+    assert result.exit_code == 0, result.stderr
+    assert "rerun the sweep with --draft DRAFT" in result.stderr
+    assert "knee fitted in tokens within the measured grid" in result.stdout
+    assert "predicted target efficiency" in result.stdout
+    assert "missing: speedups need the drafter step T_D(B,1)" in result.stdout
+
+
+# A visible knee: s = 1.3, lam = 0.7 (fp32 at RP 10.8: 15.1 tokens; 4-bit at RP 36: 7.1 tokens).
+KNEE = dataclasses.replace(TRUE, s=1.3, lam=0.7)
+
+
+@pytest.mark.parametrize("bits, ridge", [(None, 10.8), (4, 36.0)])
+def test_knee_is_recovered_in_tokens_for_the_weight_format(bits, ridge):
+    inputs = fit.inputs_from_results(synthetic_results(ridge=ridge, bits=bits, model=KNEE, seed=1))
+    assert inputs.weight_format == ("4bit" if bits else "fp32")
+    result = fit.fit(inputs)
+    lam_lo, lam_hi = result.bounds["lam"]
+    assert lam_lo + 0.02 < result.params.lam < lam_hi - 0.02  # off its bounds
+    true_knee = KNEE.lam * theory.ridge_in_tokens(ridge, inputs.weight_format)
+    assert result.params.knee(inputs.ridge_tokens) == pytest.approx(true_knee, rel=0.15)
+
+
+@pytest.mark.parametrize("loads", ["pairs", "mlx"])
+def test_held_out_error_picks_the_expert_load_variant_that_made_the_data(loads):
+    result = fit.fit(fit.inputs_from_results(synthetic_results(loads=loads)))
+    assert result.chosen == loads
+    mape = {v.name: v.heldout_mape for v in result.variants}
+    assert mape[loads] < 0.02 < mape["unique"]
+    assert f"`{loads}` fits best" in fit.regime(result)
+    assert fit.regime(result).startswith("On Apple M2 Max (? backend) with MLX ?")
+
+
+def test_predictions_use_gamma_plus_one_verify_tokens():
+    result = fit.fit(fit.inputs_from_results(synthetic_results()))
+    doc = fit.fit_document(result)
+    m = result.model()
+    eff = next(p["target_efficiency"] for p in doc["predictions"] if p["batch"] == 2 and p["gamma"] == 3)
+    assert eff == pytest.approx(float(m.target(2, 1, L) / m.target(2, 4, L)))
+    row = next(r for r in doc["paper_comparison"] if r["gamma"] == 4 and r["alpha"] == 0.7)
+    at1 = next(p["speedup"] for p in doc["predictions"] if p["batch"] == 1 and p["gamma"] == 4
+               and p["alpha"] == 0.7)
+    assert row["chosen"] == pytest.approx(at1)
+    assert row["unique_paper_verify"] > row["unique"]  # a gamma-token verify is cheaper
+
+
+def test_speedup_predictor_applies_kv_at_the_runs_context():
+    doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
+    predictor = fit.speedup_predictor(doc)
+    m = fit.FittedModel.from_document(doc)
+    assert m.k_kv > 0
+    for context in (L, 8 * L):
+        expected = float(m.speedup(2, 4, 0.7, context))
+        assert predictor(2, 4, 0.7, False, context) == pytest.approx(expected)
+    # Longer context: the KV read dominates both steps alike, so SD gains (MagicDec).
+    assert predictor(2, 4, 0.7, False, 64 * L) > predictor(2, 4, 0.7, False, L)
+
+
+@pytest.mark.parametrize("results", [Path(__file__).parent / "data" / "results_quick_cpu.json",
+                                     Path(__file__).parents[1] / "reports" / "example-linux-cpu-amd-epyc"
+                                     / "results.json"])
+def test_cli_fit_on_a_cpu_results_file_chooses_no_worse_than_unique(tmp_path, results):
+    path = tmp_path / "results.json"
+    shutil.copy(results, path)
+    result = CliRunner().invoke(cli, ["fit", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    mape = {v["name"]: v["heldout_mape"] for v in doc["variants"]}
+    assert set(mape) == {"unique", "pairs", "mlx"}
+    assert mape[doc["chosen"]] <= mape["unique"]
+    assert doc["ridge_tokens"] == pytest.approx(theory.ridge_in_tokens(doc["ridge_flop_per_byte"], "fp32"))
 
 
 @pytest.mark.parametrize("args, fragment", [(["--alpha", "1.5"], "'--alpha'"),
@@ -157,3 +281,18 @@ def test_cli_fit_too_few_points(tmp_path):
     result = CliRunner().invoke(cli, ["fit", str(path)])
     assert result.exit_code == 2
     assert "too few points to fit" in result.stderr
+
+
+def test_sort_threshold_read_from_mlx_lm_or_defaulted(monkeypatch):
+    threshold, source = fit.mlx_sort_threshold()
+    assert threshold == 64 and "indices.size >= 64" in source
+    data = synthetic_results()
+    data["meta"]["versions"] = {"mlx_lm": "0.1.0"}
+    assert "the sweep ran mlx-lm 0.1.0" in fit.inputs_from_results(data).sort_threshold_source
+
+    def unreadable(_):
+        raise OSError("no source")
+
+    monkeypatch.setattr(fit.inspect, "getsource", unreadable)
+    threshold, source = fit.mlx_sort_threshold()
+    assert threshold == theory.MLX_SORT_THRESHOLD and source.startswith("default")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import compare, report, routing, timing
+from mac_moesd import compare, fit, report, routing, timing
 from mac_moesd import run as runner
 from mac_moesd.cli import cli
 from mac_moesd.results import ResultsStore
@@ -44,9 +44,14 @@ def test_numbers_in_the_text_are_those_of_the_results(written):
     md = paths["markdown"].read_text()
     roof = data["roofline"]
     assert f"Ridge point: **{roof['ridge_flop_per_byte']:.1f} FLOP/byte**" in md
-    for fit in data["fits"].values():
-        assert f"held-out MAPE **{fit['heldout_mape']:.1%}**" in md
-        best = max((p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == 0.7),
+    for f_ in data["fits"].values():
+        assert f"Held-out MAPE **{f_['heldout_mape']:.1%}**" in md
+        assert f"Knee of G at **{f_['knee_tokens']:.1f} tokens**" in md
+        for v in f_["variants"]:
+            chosen = "chosen" if v["name"] == f_["chosen"] else ""
+            assert f"| {v['name']} | {v['heldout_mape']:.1%} | {v['knee_tokens']:.1f} | {chosen} |" in md
+        assert f_["regime"] in md
+        best = max((p for p in f_["predictions"] if p["batch"] == 1 and p["alpha"] == 0.7),
                    key=lambda p: p["speedup"])
         assert f"best gamma = {best['gamma']} with a predicted speedup of {best['speedup']:.2f}" in md
     for r in data["routing"].values():
@@ -54,8 +59,21 @@ def test_numbers_in_the_text_are_those_of_the_results(written):
               f"{r['threshold_uniform']} | {r['threshold_corrected']} |"
         assert row in md
     for s in data["spec"].values():
+        predictor = fit.speedup_predictor(data["fits"][s["target"]])
         for run in s["runs"]:
-            assert f"| {run['measured_speedup']:.2f} |" in md
+            pred = predictor(run["batch"], run["gamma"], run["alpha"], False, s["context"])
+            assert (f"| {run['batch']} | {run['gamma']} | {run['gamma'] + 1} | {run['alpha']:.2f} | "
+                    in md)
+            assert f"| {run['measured_speedup']:.2f} | {pred:.2f} | {pred / run['measured_speedup'] - 1:+.0%} |" in md
+
+
+def test_a_fit_from_before_the_variants_is_named_not_fatal(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    for f in data["fits"].values():
+        del f["chosen"]
+    paths = report.write_report(data, tmp_path)
+    md = paths["markdown"].read_text()
+    assert "predates the expert-load variants; rerun `mac-moesd fit`" in md
 
 
 def test_html_is_self_contained(written):
@@ -162,3 +180,13 @@ def test_compare_rejects_an_older_schema(tmp_path):
     assert result.exit_code == 1
     assert "schema 'mac-moesd/0'" in result.stderr
     assert compare.REFERENCE_GPUS[0]["chip"].startswith("NVIDIA")
+
+
+def test_a_fit_without_drafter_reports_target_efficiency_not_a_verdict(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    del data["draft"]
+    data["fits"] = {"tiny-moe": fit.fit_document(fit.fit(fit.inputs_from_results(data, "tiny-moe")))}
+    md = report.write_report(data, tmp_path)["markdown"].read_text()
+    assert "No verdict on speedup: speedups need the drafter step T_D(B,1)" in md
+    assert "a verify window of gamma+1 tokens costs" in md
+    assert not (tmp_path / "figures" / "speedup.png").exists()

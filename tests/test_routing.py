@@ -48,9 +48,17 @@ def test_count_windows_by_hand():
 
 def test_fit_recovers_a_known_correlation():
     E, K, c = 64, 4, 0.6
-    windows = [routing.Window(1, t, float(theory.activated_experts(c * t, E, K)), 0.0, 1)
+    windows = [routing.Window(1, t, float(theory.correlated_activated_experts(t, E, K, c)), 0.0, 1)
                for t in (1, 2, 4, 8, 16)]
     assert routing.fit_correlation(windows, E, K) == pytest.approx(c, abs=1e-4)
+
+
+def test_fit_on_cohere_window_gives_the_anchored_c():
+    # Cohere: 128 experts top-8, 20.36 unique in a 4-token window (29.1 uniform). The anchored
+    # form gives c ~ 0.56; the earlier N(c*t) form gave 0.67 on the same window.
+    c = routing.fit_correlation([routing.Window(1, 4, 20.36, 0.0, 1)], 128, 8)
+    assert c == pytest.approx(0.561, abs=0.005)
+    assert theory.correlated_activated_experts(1, 128, 8, c) == pytest.approx(8.0)
 
 
 def uniform_unique_sd(experts, top_k, tokens, reps=4000, seed=0):
@@ -137,3 +145,14 @@ def test_cli_routing_empty_text(tmp_path):
     result = invoke("routing", "tiny-moe", "--text", empty, "--out", tmp_path)
     assert result.exit_code == 2
     assert "holds no text" in result.stderr
+
+
+def test_reanalyse_redoes_the_fits_from_stored_windows():
+    E, K, c = 64, 4, 0.45
+    windows = [routing.Window(b, t, float(theory.activated_experts(
+        theory.correlated_tokens(b, 0.95) * theory.correlated_tokens(t, c), E, K)), 0.0, 4)
+        for b in (1, 2, 4) for t in (1, 2, 4, 8)]
+    doc = routing.analyse_windows(windows, E, K, 0.95)
+    assert doc["correlation"] == pytest.approx(c, abs=1e-3)
+    stale = {**doc, "correlation": 0.3, "threshold_corrected": 1}
+    assert routing.reanalyse(stale) == doc

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import sampling, spec
+from mac_moesd import acceptance, sampling, spec
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 
@@ -25,29 +25,42 @@ def test_self_draft_accepts_everything():
     for run in doc["runs"]:
         assert KEYS <= set(run)
         assert run["mode"] == "self-draft"
-        assert run["measured_acceptance"] == 1.0
+        assert run["mean_accepted"] == 2 and run["alpha"] == 1.0 and run["sigma"] == 1.0
+        assert run["acceptance_by_position"] == [1.0, 1.0]
         assert run["predicted_speedup"] is None
 
 
 def test_emulated_acceptance_uses_alpha_and_the_predictor():
     calls = []
 
-    def predictor(b, g, a, self_draft):
-        calls.append((b, g, a, self_draft))
+    def predictor(b, g, a, self_draft, context):
+        calls.append((b, g, a, self_draft, context))
         return 1.5
 
     doc = spec.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
     assert [(r["batch"], r["alpha"]) for r in doc["runs"]] == [(1, 0.5), (2, 0.5)]
-    assert calls == [(1, 2, 0.5, False), (2, 2, 0.5, False)]
+    # The run's own context (8), not the fit's, goes to the predictor.
+    assert calls == [(1, 2, 0.5, False, 8), (2, 2, 0.5, False, 8)]
     for run in doc["runs"]:
-        assert 0.0 <= run["measured_acceptance"] <= 1.0 and run["predicted_speedup"] == 1.5
+        assert 0.0 <= run["measured_alpha"] <= 1.0 and run["predicted_speedup"] == 1.5
+        assert run["rounds"] > 0 and len(run["acceptance_by_position"]) == 2
 
 
-def test_real_mode_batch_one_runs_mlx_lm():
-    doc = spec.run_spec(small("real", batches=(1,)))
-    (run,) = doc["runs"]
-    assert run["engine"] == "mlx-lm" and run["mode"] == "real"
-    assert run["tokens_per_s_sd"] > 0
+def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
+    calls = []
+
+    def predictor(b, g, a, self_draft, context):
+        calls.append(a)
+        return 1.0
+
+    doc = spec.run_spec(small("real", batches=(1, 2), new_tokens=8), predictor)
+    mlx_run, loop_run = doc["runs"]
+    assert mlx_run["engine"] == "mlx-lm" and mlx_run["mode"] == "real"
+    assert mlx_run["tokens_per_s_sd"] > 0
+    for run in doc["runs"]:
+        assert run["alpha"] == pytest.approx(acceptance.solve_alpha(run["mean_accepted"], 2))
+        assert run["sigma"] == pytest.approx((run["mean_accepted"] + 1) / 3)
+    assert calls == [r["alpha"] for r in doc["runs"]]
 
 
 def test_rejection_sample_accepts_identical_distributions():

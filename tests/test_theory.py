@@ -35,17 +35,27 @@ def test_tokens_per_expert():
     assert theory.tokens_per_expert(400, 0.125) == pytest.approx(50.0)
 
 
-def test_correlation_raises_threshold_by_about_one_over_c():
+def test_anchored_correlation_keeps_one_token_at_k_experts():
+    # The earlier form N(c*t) gave 5.4 experts for one token at c = 0.67 (E = 128, K = 8).
+    for c in (0.3, 0.56, 0.67, 1.0):
+        assert theory.correlated_activated_experts(1, 128, 8, c) == pytest.approx(8.0)
+    # N_c(t) = N(1 + c*(t-1))
+    assert theory.correlated_activated_experts(10, 64, 8, 0.5) == pytest.approx(
+        theory.activated_experts(5.5, 64, 8)
+    )
+    # Cohere's window: c ~ 0.56 reproduces 20.36 unique of 128 top-8 at t = 4.
+    assert theory.correlated_activated_experts(4, 128, 8, 0.5613) == pytest.approx(20.36, abs=0.01)
+
+
+def test_within_sequence_threshold_is_the_first_t_reaching_tau():
     rho = 8 / 64
     base = theory.saturation_threshold(rho)
-    corrected = theory.correlated_threshold(rho, 0.67)
-    assert corrected == 34
-    assert corrected == pytest.approx(base / 0.67, abs=1.0)
     assert theory.correlated_threshold(rho, 1.0) == base
-    # N_c(t) = N(c*t)
-    assert theory.correlated_activated_experts(10, 64, 8, 0.5) == pytest.approx(
-        theory.activated_experts(5, 64, 8)
-    )
+    for c in (0.3, 0.5, 0.67):
+        t = theory.correlated_threshold(rho, c)
+        assert theory.correlated_activated_experts(t, 64, 8, c) >= 0.95 * 64
+        assert theory.correlated_activated_experts(t - 1, 64, 8, c) < 0.95 * 64
+    assert theory.correlated_threshold(rho, 0.67) == 33  # ceil(1 + (22.43 - 1)/0.67) = ceil(32.99)
 
 
 def test_acceptance():
@@ -98,6 +108,37 @@ def test_time_model():
     assert model.target_time(n, 64, 4, ridge) == pytest.approx(expected)
     assert model.draft_time(2, ridge) == pytest.approx(0.05 + 0.01 * 1.2**2)
     assert model.reject_time(8) == pytest.approx(0.002 + 0.008)
+
+
+def test_expert_load_variants():
+    E, K = 64, 4
+    n = np.array([1.0, 4.0, 15.0, 16.0, 32.0])
+    unique, per_unique = theory.expert_loads(n, E, K, "unique")
+    np.testing.assert_allclose(unique, theory.activated_experts(n, E, K))
+    np.testing.assert_allclose(per_unique, n * K / unique)
+    pairs, per_pair = theory.expert_loads(n, E, K, "pairs")
+    np.testing.assert_allclose(pairs, n * K)
+    np.testing.assert_allclose(per_pair, 0.0)  # one-token reads: no expert-compute term
+    # mlx-lm sorts once indices.size = n*K reaches 64: n = 16 at K = 4.
+    mlx, _ = theory.expert_loads(n, E, K, "mlx", sort_threshold=64)
+    np.testing.assert_allclose(mlx, [4.0, 16.0, 60.0, unique[3], unique[4]])
+    with pytest.raises(ValueError, match="unknown expert-load variant"):
+        theory.expert_loads(n, E, K, "sorted")
+
+
+def test_time_model_pairs_has_no_expert_compute_term():
+    model = theory.TimeModel(1.0, 0.1, 0.2, 0.3, 0.5, 1.2, 0.0, 0.0, 0.0, 0.0)
+    n = 8.0
+    expected = 1.0 + 0.1 * theory.compute_transition(n, 5.0, 1.2) + 0.2 * n * 4
+    assert model.target_time(n, 64, 4, 10.0, "pairs") == pytest.approx(expected)
+    # Below the sort threshold mlx is pairs; at and above it, unique.
+    assert model.target_time(n, 64, 4, 10.0, "mlx", 64) == pytest.approx(expected)
+    assert model.target_time(16, 64, 4, 10.0, "mlx", 64) == pytest.approx(model.target_time(16, 64, 4, 10.0))
+
+
+def test_mean_accepted_length():
+    assert theory.mean_accepted_length(0.8, 4) == pytest.approx(0.8 + 0.64 + 0.512 + 0.4096)
+    assert theory.mean_accepted_length(1.0, 3) == pytest.approx(3.0)
 
 
 def test_kv_time():

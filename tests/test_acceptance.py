@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+
+from mac_moesd import acceptance, theory
+
+
+def chain_rounds(alpha, gamma, rounds, seed=0):
+    """Accepted draft tokens per round when each draft token is accepted with probability alpha
+    until the first rejection."""
+    draws = np.random.default_rng(seed).random((rounds, gamma)) < alpha
+    return np.cumprod(draws, axis=1).sum(axis=1)
+
+
+def test_alpha_is_solved_from_the_mean_accepted_length():
+    for gamma in (1, 2, 4, 8):
+        for alpha in (0.1, 0.5, 0.8, 0.95):
+            L = float(theory.mean_accepted_length(alpha, gamma))
+            assert acceptance.solve_alpha(L, gamma) == pytest.approx(alpha, abs=1e-9)
+    assert acceptance.solve_alpha(0.0, 4) == 0.0 and acceptance.solve_alpha(4.0, 4) == 1.0
+    with pytest.raises(ValueError):
+        acceptance.solve_alpha(4.5, 4)
+
+
+def test_measured_rounds_give_alpha_not_accepted_over_drafted():
+    # At alpha 0.8 and gamma 4, accepted/drafted is 0.59: the old predictor input.
+    counts = chain_rounds(0.8, 4, 20_000)
+    assert counts.mean() / 4 == pytest.approx(0.59, abs=0.01)
+    stats = acceptance.summarise_rounds(counts, 4)
+    assert stats["alpha"] == pytest.approx(0.8, abs=0.01)
+    assert stats["sigma"] == pytest.approx(float(theory.normalised_acceptance(0.8, 4)), abs=0.01)
+    np.testing.assert_allclose(stats["acceptance_by_position"], [0.8, 0.64, 0.512, 0.4096], atol=0.01)
+
+
+def flags_of(rounds_accepted, gamma, max_tokens):
+    """The from_draft flags mlx-lm's speculative_generate_step yields for these rounds."""
+    flags = []
+    for accepted in rounds_accepted:
+        left = max_tokens - len(flags)
+        drafted = min(left, gamma)
+        n = min(accepted, drafted)
+        flags += [True] * n
+        if len(flags) == max_tokens:
+            break
+        flags.append(False)
+        if len(flags) == max_tokens:
+            break
+    return flags
+
+
+def test_mlx_lm_flags_give_alpha_not_from_draft_over_emitted():
+    gamma, max_tokens = 4, 10_000
+    counts = chain_rounds(0.8, gamma, 5_000, seed=1)
+    flags = flags_of(counts, gamma, max_tokens)
+    # from-draft / emitted is about 0.70 at alpha 0.8: the old predictor input.
+    assert sum(flags) / len(flags) == pytest.approx(0.70, abs=0.01)
+    rounds = acceptance.mlx_lm_rounds(flags, gamma, max_tokens)
+    assert rounds == list(counts[: len(rounds)])
+    assert acceptance.summarise_rounds(rounds, gamma)["alpha"] == pytest.approx(0.8, abs=0.01)
+
+
+def test_mlx_lm_rounds_drop_the_shortened_last_rounds():
+    # max_tokens 7, gamma 4: round 1 accepts 4 (+1), leaving 2, so mlx-lm drafts only 2 next.
+    flags = [True, True, True, True, False, True, False]
+    assert acceptance.mlx_lm_rounds(flags, 4, 7) == [4]
+    assert acceptance.mlx_lm_rounds([False, False], 2, 7) == [0, 0]
