@@ -250,6 +250,7 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
     a config.json, or a Hugging Face repo id already in the local cache.
     """
+    from mac_moesd import hardware
     from mac_moesd.sweep import SweepConfig, run_sweep, validate
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
@@ -260,7 +261,8 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
     machine, meta, store = open_store(out)
     progress = ProgressBar(f"sweep {model}")
     try:
-        document = run_sweep(cfg, store, usable.usable_bytes, progress)
+        with hardware.measuring_stage():
+            document = run_sweep(cfg, store, usable.usable_bytes, progress)
     finally:
         progress.close()
     document["meta"] = meta
@@ -336,13 +338,15 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
 @json_option
 def routing_command(model, text, batches, tokens, length, layers, tau, memory_limit, out, as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
+    from mac_moesd import hardware
     from mac_moesd.routing import RoutingConfig, run_routing
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
                         layers=layers, tau=tau)
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
-    document = run_routing(cfg, usable.usable_bytes)
+    with hardware.measuring_stage():
+        document = run_routing(cfg, usable.usable_bytes)
     store.put("routing", f"{document['model']}|{document['text']}", document)
     document["meta"] = meta
     document["results_file"] = str(store.path)
@@ -406,7 +410,7 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats,
                  memory_limit, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction."""
-    from mac_moesd import fit
+    from mac_moesd import fit, hardware
     from mac_moesd.spec import SpecConfig, run_spec
 
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
@@ -422,7 +426,8 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     if fitted is not None and predictor is None:
         warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
              "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")
-    document = run_spec(cfg, predictor, usable.usable_bytes)
+    with hardware.measuring_stage():
+        document = run_spec(cfg, predictor, usable.usable_bytes)
     store.put("spec", f"{document['target']}|{document['draft']}|{mode}", document)
     document["meta"] = meta
     emit(document, as_json, render_spec)

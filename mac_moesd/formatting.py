@@ -307,7 +307,7 @@ def render_fit(doc: dict) -> str:
     gammas = sorted({q["gamma"] for q in doc["predictions"]})
     if not doc["drafted"]:
         eff = {q["gamma"]: q["target_efficiency"] for q in doc["predictions"] if q["batch"] == 1}
-        lines += ["", f"predicted target efficiency T_T(1,1)/T_T(1,gamma+1) at batch 1 (no speedups: "
+        lines += ["", "predicted target efficiency T_T(1,1)/T_T(1,gamma+1) at batch 1 (no speedups: "
                   "the drafter was not measured)",
                   table(["gamma", "efficiency"], [[str(g), f"{eff[g]:.2f}"] for g in gammas])]
         lines += [f"missing: {m}" for m in doc["missing"]]

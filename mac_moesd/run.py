@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from mac_moesd import fit, memory, roofline, routing, spec, sweep, timing
+from mac_moesd import fit, hardware, memory, roofline, routing, spec, sweep, timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
 
@@ -108,13 +108,15 @@ class Outcome:
 def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[], None]) -> None:
     """Run one stage; a failure is recorded under ``skipped`` with its reason and the run goes on.
 
+    On Metal the wired limit is set for the stage as mlx-lm sets it for generation, and
     MLX's buffer cache is emptied after every stage, so a freed model does not stay resident
     while the next one is built (unified memory is shared with macOS and the user's apps).
     """
     import mlx.core as mx
 
     try:
-        work()
+        with hardware.measuring_stage():
+            work()
     except STAGE_FAILURES as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if not isinstance(err, MacMoesdError):

@@ -249,8 +249,8 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                     per_round = row.pop("accepted_per_round")
                 else:
                     plain_times, spec_times, (tokens, per_round) = paired(
-                        lambda: decoder.plain(cfg.new_tokens),
-                        lambda: decoder.speculative(cfg.new_tokens, gamma, cfg.mode, alpha),
+                        lambda decoder=decoder: decoder.plain(cfg.new_tokens),
+                        lambda decoder=decoder: decoder.speculative(cfg.new_tokens, gamma, cfg.mode, alpha),
                         cfg.repeats, decoder.reset)
                     row = summarise_pairs(cfg.new_tokens * batch, plain_times, tokens, spec_times)
                     row["engine"] = "mac-moesd loop"

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from mac_moesd import localmodel, models, routing, theory, zoo
 from mac_moesd.cli import cli
-from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.errors import BadInput
 
 MOE = [e for e in zoo.ZOO if zoo.expert_shape(e.config)]
 
