@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import io
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -253,7 +254,9 @@ def build(
         model.set_dtype(DTYPES[dtype])
         if bits is not None:
             # On CPU, quantize from float32 (DESIGN.md section 5): float16 scales are 20-35x slower.
-            with mlx_lm_quiet():
+            # Its only print is the bits per weight, which the footprint records: dropped, so a
+            # lazy build (zoo, dry run) says nothing.
+            with contextlib.redirect_stdout(io.StringIO()):
                 model, config = quantize_model(model, config, group_size=GROUP_SIZE, bits=bits)
     return Built(model, config, source, dtype, bits, layers, layers_full, footprint(model, config))
 
