@@ -102,13 +102,23 @@ def _gbs(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def timed(cfg: RooflineConfig, rng, points: dict[str, tuple[Callable[[int], Any], int]]) -> dict:
-    """Calibrate K for each point (``points[key]`` is ``(launch, output bytes per launch)``, K
-    capped so the outputs fit ``launch_bytes``), time them together, per-launch results."""
+def timed(cfg: RooflineConfig, rng, points: dict[str, tuple[Callable, int]],
+          chained: frozenset[str] = frozenset()) -> dict:
+    """Calibrate K for each point (``points[key]`` is ``(launch, output bytes per launch)``),
+    time them together, per-launch results. Keys in ``chained`` run as a chain of launches
+    (``timing.chained``: two buffers live); the others as K independent launches, K capped so
+    their outputs fit ``launch_bytes``."""
     cap = launch_bytes(cfg)
-    ks = {key: timing.calibrate(fn, max(1, min(timing.MAX_LAUNCHES, cap // max(out, 1))), cfg.min_eval_s)
+
+    def batch(key):
+        return timing.chained if key in chained else timing.launches
+
+    def max_k(key, out):
+        return timing.MAX_LAUNCHES if key in chained else max(1, min(timing.MAX_LAUNCHES, cap // max(out, 1)))
+
+    ks = {key: timing.calibrate(fn, max_k(key, out), cfg.min_eval_s, batch(key))
           for key, (fn, out) in points.items()}
-    measured = timing.measure({key: timing.launches(fn, ks[key]) for key, (fn, _) in points.items()},
+    measured = timing.measure({key: batch(key)(fn, ks[key]) for key, (fn, _) in points.items()},
                               cfg.budget, rng)
     return {key: (timing.per_launch(measured[key], ks[key]), ks[key]) for key in points}
 
@@ -128,18 +138,21 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
         mx.eval(a, b)
         verify_stream(k, a, b, 3.0)
         read_out = kernels.GRID_THREADS * 4 if k.paths["read"] == "metal" else size // kernels.READ_ROW
+        # Read launches are independent (their outputs are small); copy and triad launches form
+        # a chain, each reading the previous output, so K full-size outputs are never live at
+        # once and a cache-sized array stays cache-sized. Triad's scale 0.5 keeps values bounded.
         ops = {
             "read": ((lambda i, a=a: k.read(a)), read_out, size),
-            "copy": ((lambda i, a=a: k.copy(a)), size, 2 * size),
-            # a distinct scalar per triad launch; read and copy launches are distinct graph nodes
-            "triad": ((lambda i, a=a, b=b: k.triad(a, b, mx.array(3.0 + i, dtype=mx.float32))), size, 3 * size),
+            "copy": ((lambda i, prev, a=a: k.copy(a if prev is None else prev)), size, 2 * size),
+            "triad": ((lambda i, prev, a=a, b=b: k.triad(a, b if prev is None else prev, 0.5)), size, 3 * size),
         }
-        measured = timed(cfg, rng, {op: (fn, out) for op, (fn, out, _) in ops.items()})
+        measured = timed(cfg, rng, {op: (fn, out) for op, (fn, out, _) in ops.items()},
+                         chained=frozenset({"copy", "triad"}))
         for op, (_, out, moved) in ops.items():
             m, launches = measured[op]
-            # the K outputs are live together: a small size's launches no longer fit its caches
+            live = launches * out if op == "read" or launches == 1 else 2 * out
             rows.append({"op": op, "bytes": size, "moved_bytes": moved, **_row(m, launches),
-                         "live_output_bytes": launches * out, "gbs": _gbs(moved, m.median_s)})
+                         "live_output_bytes": live, "gbs": _gbs(moved, m.median_s)})
         progress(f"stream {size // MiB} MiB")
         del a, b, ops  # free this size's arrays before the next size allocates
     return rows

@@ -184,14 +184,31 @@ def launches(launch: Callable[[int], Any], k: int) -> Point:
     return Point(lambda: [launch(i) for i in range(k)], build_untimed=True)
 
 
-def calibrate(launch: Callable[[int], Any], max_k: int = MAX_LAUNCHES,
-              min_seconds: float = MIN_EVAL_S) -> int:
+def chained(step: Callable[[int, Any], Any], k: int) -> Point:
+    """K launches evaluated together, each reading the previous one's output: ``step(i, prev)``
+    (``prev`` None for the first). Only the last output is returned, so two buffers are live
+    whatever K is, and a small array's launches stay in cache as one launch's would."""
+    if k < 1:
+        raise ValueError("k >= 1 launches required")
+
+    def build():
+        out = None
+        for i in range(k):
+            out = step(i, out)
+        return [out]
+
+    return Point(build, build_untimed=True)
+
+
+def calibrate(launch: Callable, max_k: int = MAX_LAUNCHES, min_seconds: float = MIN_EVAL_S,
+              batch: Callable[[Callable, int], Point] = launches) -> int:
     """The launch count K (a power of two, at most ``max_k``) for which one eval of K launches
-    lasts ``min_seconds``: double K until it does, the fastest of two evals deciding each step."""
-    mx.eval(launch(0))  # compile and allocate outside the calibration
+    (``batch(launch, K)``: ``launches`` or ``chained``) lasts ``min_seconds``: double K until it
+    does, the fastest of two evals deciding each step."""
+    time_once(batch(launch, 1))  # compile and allocate outside the calibration
     k = 1
     while k < max_k:
-        point = launches(launch, k)
+        point = batch(launch, k)
         if min(time_once(point) for _ in range(2)) >= min_seconds:
             break
         k = min(2 * k, max_k)

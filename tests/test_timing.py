@@ -124,3 +124,18 @@ def test_build_untimed_times_only_the_evaluation(monkeypatch):
 
     assert timing.time_once(timing.Point(slow_build, build_untimed=True)) < 0.04
     assert timing.time_once(timing.Point(slow_build)) >= 0.05
+
+
+def test_chained_launches_feed_each_other_and_return_only_the_last():
+    seen = []
+
+    def step(i, prev):
+        seen.append((i, None if prev is None else prev.item()))
+        return mx.array(float(i)) if prev is None else prev + 1
+
+    point = timing.chained(step, 4)
+    (last,) = point.run()
+    assert point.build_untimed and last.item() == 3.0
+    assert seen == [(0, None), (1, 0.0), (2, 1.0), (3, 2.0)]
+    with pytest.raises(ValueError):
+        timing.chained(step, 0)
