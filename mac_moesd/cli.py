@@ -308,7 +308,7 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
         document = roofline.run_roofline(cfg, spec, machine.backend, progress.advance)
     finally:
         progress.close()
-    document["memory"] = memory.record(memory.roofline_estimate(cfg.sizes, cfg.gemv_bytes),
+    document["memory"] = memory.record(memory.roofline_estimate(cfg),
                                        usable.usable_bytes)
     store.data["roofline"] = document
     store.save()

@@ -244,10 +244,10 @@ def chip_slug(chip: str, gpu_cores: int | None, backend: str) -> str:
 # Absolute paths, so detection works under a minimal PATH (launchd, cron, IDEs); the bare name
 # is tried when a tool has moved.
 TOOLS = {"sysctl": "/usr/sbin/sysctl", "system_profiler": "/usr/sbin/system_profiler",
-         "ioreg": "/usr/sbin/ioreg", "pmset": "/usr/bin/pmset"}
+         "ioreg": "/usr/sbin/ioreg", "pmset": "/usr/bin/pmset", "vm_stat": "/usr/bin/vm_stat"}
 
 
-def _run(args: list[str]) -> str:
+def run_tool(args: list[str]) -> str:
     for tool in dict.fromkeys([TOOLS.get(args[0], args[0]), args[0]]):
         try:
             done = subprocess.run([tool, *args[1:]], capture_output=True, text=True, timeout=20, check=False)
@@ -257,7 +257,7 @@ def _run(args: list[str]) -> str:
     return ""
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read()
@@ -299,7 +299,7 @@ def mlx_backend() -> str:
     return "cpu"
 
 
-def _mlx_device_info() -> dict:
+def mlx_device_info() -> dict:
     import mlx.core as mx
 
     try:
@@ -312,28 +312,28 @@ def _mlx_device_info() -> dict:
 def detect() -> Machine:
     """Detect this machine. On macOS: chip, GPU cores, memory, working set; elsewhere: CPU, RAM."""
     backend = mlx_backend()
-    info = _mlx_device_info()
+    info = mlx_device_info()
     system = platform.system()
     power = None
     low_power = thermal = None
     if system == "Darwin":
         # MLX's device name ("Apple M3 Max") when sysctl cannot be run at all
-        chip = (_run(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()
+        chip = (run_tool(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()
                 or str(info.get("device_name") or "") or platform.processor())
         cores = parse_gpu_cores_system_profiler(
-            _run(["system_profiler", "SPDisplaysDataType", "-json"])
-        ) or parse_gpu_cores_ioreg(_run(["ioreg", "-rc", "AGXAccelerator", "-d", "1"]))
-        memsize = _run(["sysctl", "-n", "hw.memsize"]).strip()
+            run_tool(["system_profiler", "SPDisplaysDataType", "-json"])
+        ) or parse_gpu_cores_ioreg(run_tool(["ioreg", "-rc", "AGXAccelerator", "-d", "1"]))
+        memsize = run_tool(["sysctl", "-n", "hw.memsize"]).strip()
         memory = int(memsize) if memsize.isdigit() else info.get("memory_size")
         available = info.get("max_recommended_working_set_size") or memory
-        power = parse_power_source(_run(["pmset", "-g", "batt"]))
-        low_power = parse_low_power_mode(_run(["pmset", "-g"]))
-        thermal = parse_thermal(_run(["pmset", "-g", "therm"]))
+        power = parse_power_source(run_tool(["pmset", "-g", "batt"]))
+        low_power = parse_low_power_mode(run_tool(["pmset", "-g"]))
+        thermal = parse_thermal(run_tool(["pmset", "-g", "therm"]))
         spec = lookup_spec(chip, cores)
     else:
-        chip = parse_cpuinfo_model(_read("/proc/cpuinfo")) or platform.processor() or "unknown"
+        chip = parse_cpuinfo_model(read_text("/proc/cpuinfo")) or platform.processor() or "unknown"
         cores = None
-        mem = parse_meminfo(_read("/proc/meminfo"))
+        mem = parse_meminfo(read_text("/proc/meminfo"))
         memory = mem.get("MemTotal")
         available = mem.get("MemAvailable")
         if backend == "cuda":
@@ -378,7 +378,7 @@ def require_native_python() -> None:
     """Raise MacMoesdError on an Intel Mac or a Rosetta Python, before anything imports MLX."""
     system, machine = platform.system(), platform.machine()
     # an arm64 process is never translated: ask sysctl only about an x86_64 one
-    translated = _run(["sysctl", "-n", "sysctl.proc_translated"]) if (system, machine) == ("Darwin", "x86_64") else ""
+    translated = run_tool(["sysctl", "-n", "sysctl.proc_translated"]) if (system, machine) == ("Darwin", "x86_64") else ""
     problem = native_python_problem(system, machine, translated)
     if problem:
         raise MacMoesdError(problem)

@@ -13,7 +13,6 @@ import gc
 import os
 import platform
 import re
-import subprocess
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping
 
@@ -22,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mac_moesd import zoo
+from mac_moesd import hardware, zoo
 from mac_moesd.errors import BadInput
 
 __all__ = [
@@ -35,7 +34,6 @@ ENV_LIMIT = "MAC_MOESD_MEMORY_LIMIT"
 # MLX's Metal allocator starts collecting its buffer cache at 0.95 x the recommended working set
 # (gc_limit_ in mlx/backend/metal/allocator.cpp): plan within that, not at the ceiling itself.
 MARGIN = 0.05
-VM_STAT = "/usr/bin/vm_stat"
 # mlx-lm's KVCache grows in steps of this many slots (mlx_lm/models/cache.py, KVCache.step).
 KV_STEP = KVCache.step
 SCORE_BYTES = 4  # attention scores and softmax in float32 where the fused kernel does not apply
@@ -121,29 +119,6 @@ def usable_from(ceiling: int | None, free: int | None, limit: int | None, source
     return Usable(usable_bytes, ceiling, free, limit, margin, source)
 
 
-def _run(args: list[str]) -> str:
-    try:
-        return subprocess.run(args, capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
-            match = re.search(r"^MemAvailable:\s*(\d+)\s*kB", f.read(), flags=re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
-
-
-def _device_info() -> dict:
-    try:
-        return dict(mx.device_info())
-    except Exception:  # a backend without the query
-        return {}
-
-
 def mlx_held_bytes() -> int:
     """Memory MLX holds now (active arrays and its buffer cache): free to this process."""
     return mx.get_active_memory() + mx.get_cache_memory()
@@ -151,18 +126,20 @@ def mlx_held_bytes() -> int:
 
 def usable(limit: int | None = None) -> Usable:
     """Usable memory on this machine now."""
-    info = _device_info()
+    info = hardware.mlx_device_info()
     held = mlx_held_bytes()
     if mx.metal.is_available():
         ceiling = info.get("max_recommended_working_set_size")
-        text = _run([VM_STAT]) or _run(["vm_stat"])  # absolute path first: PATH may be minimal
+        text = hardware.run_tool(["vm_stat"])
         free = vm_stat_free_bytes(text)
         free = None if free is None else free + held
         return usable_from(ceiling, free, limit, "Metal working set and vm_stat")
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
         return usable_from(info.get("memory_size"), None, limit, "CUDA device memory")
-    free = _meminfo_available() if platform.system() == "Linux" else None
+    free = None
+    if platform.system() == "Linux":
+        free = hardware.parse_meminfo(hardware.read_text("/proc/meminfo")).get("MemAvailable")
     free = None if free is None else free + held
     total = info.get("memory_size")
     return usable_from(total, free, limit, "MemAvailable" if free is not None else "device memory")
@@ -372,7 +349,9 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     return phases(**named)
 
 
-def roofline_estimate(sizes: Iterable[int], gemv_bytes: int) -> dict:
-    """Peak of the roofline stage as ``roofline.validate`` budgets it: triad's four arrays of the
-    largest size, or a GEMV weight matrix and its cast."""
-    return phases(stream={"arrays": 4 * max(sizes)}, gemv={"weights": 2 * gemv_bytes})
+def roofline_estimate(cfg) -> dict:
+    """Peak of the roofline stage: its largest step as ``roofline.peak_bytes`` (the budget
+    ``roofline.validate`` enforces) counts it."""
+    from mac_moesd import roofline
+
+    return phases(roofline={"largest step": roofline.peak_bytes(cfg)})

@@ -203,7 +203,7 @@ def _roofline_stage(plan: Plan, rates: Rates) -> dict:
     out, inn = cfg.qmm_shape
     seconds += sum(point_seconds(max(out * inn * 0.6 / bw, 2 * t * out * inn / fl), budget)
                    for _ in (4, 8) for t in cfg.qmm_tokens)
-    peak = memory.roofline_estimate(cfg.sizes, cfg.gemv_bytes)["peak_bytes"]
+    peak = memory.roofline_estimate(cfg)["peak_bytes"]
     return {"stage": "roofline", "models": [], "grid": {"sizes_bytes": list(cfg.sizes)},
             "peak_bytes": peak, "eta_s": seconds}
 

@@ -154,7 +154,7 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
             memory.start_stage()
             document = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
             document["memory"] = memory.record(
-                memory.roofline_estimate(plan.roofline.sizes, plan.roofline.gemv_bytes), budget)
+                memory.roofline_estimate(plan.roofline), budget)
             data["roofline"] = document
             store.save()
 

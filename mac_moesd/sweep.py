@@ -65,11 +65,6 @@ class SweepConfig:
 # ---- memory ----
 
 
-def kv_bytes_per_token(config: dict, dtype: str) -> int:
-    """KV-cache bytes one token adds to one layer (keys plus values, all KV heads)."""
-    return memory.kv_bytes_per_slot(config, models.DTYPES[dtype].size)
-
-
 def estimate(built: models.Built, cfg: SweepConfig) -> dict:
     """Peak memory of measuring one slice (``memory.sweep_estimate``), before allocating it."""
     return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK,

@@ -106,7 +106,7 @@ def test_cli_refuses_rosetta_python_before_mlx(monkeypatch, capsys):
 
     monkeypatch.setattr(hardware.platform, "system", lambda: "Darwin")
     monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(hardware, "_run", lambda args: "1\n" if "sysctl.proc_translated" in args else "")
+    monkeypatch.setattr(hardware, "run_tool", lambda args: "1\n" if "sysctl.proc_translated" in args else "")
     monkeypatch.setattr(sys, "argv", ["mac-moesd", "info"])
     with pytest.raises(SystemExit) as exit_:
         cli.main()
@@ -125,16 +125,16 @@ def test_tools_by_absolute_path_then_bare_name(monkeypatch):
         return subprocess.CompletedProcess(args, 0, stdout="Apple M2\n")
 
     monkeypatch.setattr(hardware.subprocess, "run", fake_run)
-    assert hardware._run(["sysctl", "-n", "machdep.cpu.brand_string"]) == "Apple M2\n"
+    assert hardware.run_tool(["sysctl", "-n", "machdep.cpu.brand_string"]) == "Apple M2\n"
     assert tried == ["/usr/sbin/sysctl", "sysctl"]
     assert hardware.TOOLS["pmset"] == "/usr/bin/pmset"
 
 
 def test_detect_on_a_mac_without_tools_names_the_chip_from_mlx(monkeypatch):
     monkeypatch.setattr(hardware.platform, "system", lambda: "Darwin")
-    monkeypatch.setattr(hardware, "_run", lambda args: "")
+    monkeypatch.setattr(hardware, "run_tool", lambda args: "")
     monkeypatch.setattr(hardware, "mlx_backend", lambda: "metal")
-    monkeypatch.setattr(hardware, "_mlx_device_info", lambda: {
+    monkeypatch.setattr(hardware, "mlx_device_info", lambda: {
         "device_name": "Apple M3 Max", "memory_size": 64 * 2**30,
         "max_recommended_working_set_size": 48 * 2**30})
     machine = hardware.detect()
