@@ -14,7 +14,8 @@ import time
 import mac_moesd  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 import mlx.core as mx
 
-from mac_moesd import models, sweep, timing
+from mac_moesd.inputs import models
+from mac_moesd.measure import sweep, timing
 
 
 def bare_loop(model, cache, inputs, repeats):

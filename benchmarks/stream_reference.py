@@ -20,7 +20,7 @@ import mac_moesd  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 import mlx.core as mx
 import numpy as np
 
-from mac_moesd import kernels, roofline, timing
+from mac_moesd.measure import kernels, roofline, timing
 
 C_SOURCE = r"""
 #include <stdio.h>

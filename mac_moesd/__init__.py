@@ -1,6 +1,6 @@
 """mac-moesd: does speculative decoding pay off for this MoE model on this Mac?"""
 
-from mac_moesd import blas as _blas
+from mac_moesd.machine import blas as _blas
 
 __version__ = "0.1.0"
 

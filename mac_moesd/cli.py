@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 import click
 
-from mac_moesd import __version__, blas, theory
+from mac_moesd import __version__
+from mac_moesd.machine import blas
+from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
+from mac_moesd.reporting.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
 
 
 class NumberList(click.ParamType):
@@ -96,7 +98,7 @@ def cli() -> None:
 @json_option
 def info(as_json: bool) -> None:
     """Chip, backend, memory, published specs and versions."""
-    from mac_moesd import hardware, memory, metadata
+    from mac_moesd.machine import hardware, memory, metadata
 
     machine = hardware.detect()
     document = machine.to_dict()
@@ -139,7 +141,7 @@ def theory_command(experts, top_k, tau, max_tokens, correlation, gamma, alpha, a
 @json_option
 def zoo_command(as_json: bool) -> None:
     """The built-in models: architecture, E, K, rho, T_thres, parameters and bytes."""
-    from mac_moesd import models
+    from mac_moesd.inputs import models
 
     emit({"models": models.describe_zoo()}, as_json, render_zoo)
 
@@ -161,7 +163,7 @@ def with_options(options):
 
 
 def budget_from(quick: bool, seconds: float | None):
-    from mac_moesd import timing
+    from mac_moesd.measure import timing
 
     base = timing.QUICK if quick else timing.Budget()
     return base if seconds is None else replace(base, seconds_per_point=seconds)
@@ -175,7 +177,7 @@ memory_limit_option = click.option(
 
 def usable_memory(limit_gib: float | None):
     """Usable memory now (the smaller of the ceiling and free memory, less a margin), capped."""
-    from mac_moesd import memory
+    from mac_moesd.machine import memory
 
     return memory.usable(memory.limit_bytes(limit_gib))
 
@@ -210,7 +212,7 @@ class ProgressBar:
 def open_store(out: Path | None, per_chip: bool = False):
     """The machine, the run's metadata and the results store in ``out`` (default
     reports/<chip-slug>; with ``per_chip``, ``out``/<chip-slug>)."""
-    from mac_moesd import hardware, metadata
+    from mac_moesd.machine import hardware, metadata
     from mac_moesd.results import ResultsStore
 
     machine = hardware.detect()
@@ -250,8 +252,8 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
     a config.json, or a Hugging Face repo id already in the local cache.
     """
-    from mac_moesd import hardware
-    from mac_moesd.sweep import SweepConfig, run_sweep, validate
+    from mac_moesd.machine import hardware
+    from mac_moesd.measure.sweep import SweepConfig, run_sweep, validate
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
@@ -283,7 +285,7 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
 @json_option
 def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None:
     """Measured bandwidth and FLOPS, the ridge point, and the chip's spec beside them."""
-    from mac_moesd import roofline
+    from mac_moesd.measure import roofline
 
     cfg = roofline.QUICK if quick else roofline.RooflineConfig()
     if sizes:
@@ -301,7 +303,7 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
     steps = len(cfg.sizes) + 4 + len(cfg.dtypes) + 2
     progress = ProgressBar("roofline")
     progress.expect(steps)
-    from mac_moesd import memory
+    from mac_moesd.machine import memory
 
     memory.start_stage()
     try:
@@ -338,8 +340,8 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
 @json_option
 def routing_command(model, text, batches, tokens, length, layers, tau, memory_limit, out, as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
-    from mac_moesd import hardware
-    from mac_moesd.routing import RoutingConfig, run_routing
+    from mac_moesd.machine import hardware
+    from mac_moesd.measure.routing import RoutingConfig, run_routing
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
                         layers=layers, tau=tau)
@@ -367,7 +369,7 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 
     RESULTS is a results.json or the folder holding it.
     """
-    from mac_moesd import fit
+    from mac_moesd.analysis import fit
     from mac_moesd.results import load_results
 
     if alpha and any(a >= 1 for a in alpha):
@@ -410,14 +412,15 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats,
                  memory_limit, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction."""
-    from mac_moesd import fit, hardware
-    from mac_moesd.spec import SpecConfig, run_spec
+    from mac_moesd.analysis import fit
+    from mac_moesd.machine import hardware
+    from mac_moesd.measure.spec import SpecConfig, run_spec
 
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats)
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
-    from mac_moesd import models
+    from mac_moesd.inputs import models
 
     fitted = store.data.get("fits", {}).get(models.resolve(target).name)
     if fitted is None:
@@ -454,7 +457,7 @@ def run_command(quick, full, models, out, memory_limit, dry_run, chip, memory_gi
     Exit status: 0 when every stage ran; 3 when some were skipped (the report is written and
     says why); 1 when nothing could be measured.
     """
-    from mac_moesd import report
+    from mac_moesd.reporting import report
     from mac_moesd import run as runner
 
     if quick and full:
@@ -504,14 +507,15 @@ def run_command(quick, full, models, out, memory_limit, dry_run, chip, memory_gi
 
 
 def memory_limit_bytes(limit_gib: float | None) -> int | None:
-    from mac_moesd import memory
+    from mac_moesd.machine import memory
 
     return memory.limit_bytes(limit_gib)
 
 
 def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib) -> dict:
     """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated."""
-    from mac_moesd import hardware, memory, plan
+    from mac_moesd.machine import hardware, memory
+    from mac_moesd import plan
     from mac_moesd import run as runner
 
     limit = memory.limit_bytes(memory_limit)
@@ -545,7 +549,7 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib) -
 
 
 def hardware_slug() -> str:
-    from mac_moesd import hardware
+    from mac_moesd.machine import hardware
 
     return hardware.detect().slug
 
@@ -558,7 +562,7 @@ def report_command(folder) -> None:
 
     FOLDER defaults to reports/<this chip's slug>.
     """
-    from mac_moesd import report
+    from mac_moesd.reporting import report
     from mac_moesd.results import load_results
 
     folder = folder or Path("reports") / hardware_slug()
@@ -577,7 +581,7 @@ def report_command(folder) -> None:
 @json_option
 def compare_command(folders, reference, out, as_json) -> None:
     """Several chips' results side by side: bandwidth, FLOPS, ridge, batch-1 speedup."""
-    from mac_moesd import compare
+    from mac_moesd.reporting import compare
 
     document = compare.compare(list(folders), reference)
     figures = compare.draw(document, out)
@@ -592,7 +596,8 @@ def compare_command(folders, reference, out, as_json) -> None:
 def selftest_command(as_json: bool) -> None:
     """Check this machine first (under a minute): each kernel against its reference, K-launch
     timing, the memory guard and results files. Attach the output to a bug report."""
-    from mac_moesd import hardware, metadata, selftest
+    from mac_moesd.machine import hardware, metadata
+    from mac_moesd.measure import selftest
 
     machine = hardware.detect()
     for message in machine.warnings:
@@ -608,7 +613,7 @@ def selftest_command(as_json: bool) -> None:
 
 
 def main() -> None:
-    from mac_moesd import hardware
+    from mac_moesd.machine import hardware
 
     try:
         hardware.require_native_python()  # before any command imports MLX

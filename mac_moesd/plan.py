@@ -17,7 +17,10 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mac_moesd import hardware, memory, models, routing, spec, sweep, theory, timing
+from mac_moesd.machine import hardware, memory
+from mac_moesd.inputs import models
+from mac_moesd.measure import routing, spec, sweep, timing
+from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.run import Plan
 

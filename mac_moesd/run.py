@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from mac_moesd import fit, hardware, memory, roofline, routing, spec, sweep, timing
+from mac_moesd.analysis import fit
+from mac_moesd.machine import hardware, memory
+from mac_moesd.measure import roofline, routing, spec, sweep, timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
 
@@ -71,7 +73,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
 
 def with_models(plan: Plan, names: tuple[str, ...]) -> Plan:
     """Replace the default targets: MoE models in the given order, the first dense one as control."""
-    from mac_moesd import models, zoo
+    from mac_moesd.inputs import models, zoo
 
     moe, dense = [], []
     for name in names:

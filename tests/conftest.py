@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from mac_moesd import timing
+from mac_moesd.measure import timing
 
 # The smallest budget the timer accepts: enough to exercise every code path in seconds.
 TINY_BUDGET = timing.Budget(warmup=1, min_repeats=3, max_repeats=3, seconds_per_point=0.01, per_visit=1)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mac_moesd import acceptance, theory
+from mac_moesd.analysis import acceptance, theory
 
 
 def chain_rounds(alpha, gamma, rounds, seed=0):

@@ -3,7 +3,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import theory
+from mac_moesd.analysis import theory
 from mac_moesd.cli import cli
 
 

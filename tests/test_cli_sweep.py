@@ -8,7 +8,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import hardware
+from mac_moesd.machine import hardware
 from mac_moesd.cli import cli
 
 QUICK = ["--context", "16", "--seconds-per-point", "0.01", "--quick"]

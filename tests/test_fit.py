@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import fit, theory
+from mac_moesd.analysis import fit, theory
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 

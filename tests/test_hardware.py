@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mac_moesd import hardware
+from mac_moesd.machine import hardware
 
 DATA = Path(__file__).parent / "data"
 

@@ -9,7 +9,9 @@ from click.testing import CliRunner
 from conftest import TINY_BUDGET
 from mlx_lm.models.cache import KVCache
 
-from mac_moesd import hardware, memory, models, sweep
+from mac_moesd.machine import hardware, memory
+from mac_moesd.inputs import models
+from mac_moesd.measure import sweep
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -143,7 +145,7 @@ def test_dry_run_usage_errors():
 
 
 def test_spec_slices_target_and_drafter_alike_or_refuses():
-    from mac_moesd import spec
+    from mac_moesd.measure import spec
 
     cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=16)
     target, draft, need = spec.plan_models(cfg, None)

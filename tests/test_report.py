@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import compare, fit, report, routing, timing
+from mac_moesd.reporting import compare, report
+from mac_moesd.analysis import fit
+from mac_moesd.measure import routing, timing
 from mac_moesd import run as runner
 from mac_moesd.cli import cli
 from mac_moesd.results import ResultsStore
@@ -106,7 +108,7 @@ def tiny_plan():
     budget = timing.Budget(warmup=1, min_repeats=3, max_repeats=3, seconds_per_point=0.01, per_visit=1)
     from dataclasses import replace
 
-    from mac_moesd import roofline
+    from mac_moesd.measure import roofline
 
     return replace(plan, moe=("tiny-moe",), batches=(1, 2, 4), tokens=(1, 2, 3, 4), context=16,
                    budget=budget, spec_batches=(1, 2), spec_gammas=(2,), spec_tokens=4, spec_repeats=1,

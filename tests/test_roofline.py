@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import TINY_BUDGET
 
-from mac_moesd import kernels, roofline
+from mac_moesd.measure import kernels, roofline
 from mac_moesd.cli import cli
 
 TINY = roofline.RooflineConfig(

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import localmodel, models, routing, theory, zoo
+from mac_moesd.inputs import localmodel, models, zoo
+from mac_moesd.measure import routing
+from mac_moesd.analysis import theory
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 

@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 from test_report import Machine, tiny_plan
 
-from mac_moesd import routing, spec, sweep
+from mac_moesd.measure import routing, spec, sweep
 from mac_moesd import run as runner
 from mac_moesd.cli import cli
 from mac_moesd.errors import MacMoesdError

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import kernels, selftest
+from mac_moesd.measure import kernels, selftest
 from mac_moesd.cli import cli
 
 

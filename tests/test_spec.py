@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd import acceptance, sampling, spec
+from mac_moesd.analysis import acceptance
+from mac_moesd.measure import sampling, spec
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 

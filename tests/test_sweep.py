@@ -5,7 +5,8 @@ import pytest
 from conftest import TINY_BUDGET
 from mlx_lm.utils import save_config, save_model
 
-from mac_moesd import models, sweep, zoo
+from mac_moesd.inputs import models, zoo
+from mac_moesd.measure import sweep
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore, load_results
 

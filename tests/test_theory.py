@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from mac_moesd import theory
+from mac_moesd.analysis import theory
 
 
 @pytest.mark.parametrize(

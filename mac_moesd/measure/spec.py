@@ -23,10 +23,11 @@ import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mac_moesd import acceptance, memory
+from mac_moesd.analysis import acceptance
+from mac_moesd.machine import memory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.sampling import rejection_sample
-from mac_moesd.sweep import PREFILL_CHUNK, RolledBackCache
+from mac_moesd.measure.sampling import rejection_sample
+from mac_moesd.measure.sweep import PREFILL_CHUNK, RolledBackCache
 
 __all__ = ["SpecConfig", "run_spec"]
 
@@ -190,7 +191,7 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
     """Target and drafter, built lazily, at full depth if they fit with two caches per batch;
     else both cut to the same fraction of their layers (halving the target's) so the cost of a
     draft step relative to a target step stays about the same; else refuse. Nothing allocated."""
-    from mac_moesd import models
+    from mac_moesd.inputs import models
 
     target_src = models.resolve(cfg.target)
     draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)

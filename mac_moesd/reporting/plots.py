@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mac_moesd import theory  # noqa: E402
-from mac_moesd.digest import Digest  # noqa: E402
+from mac_moesd.analysis import theory  # noqa: E402
+from mac_moesd.analysis.digest import Digest  # noqa: E402
 
 DPI = 110
 STYLE = {"figure.figsize": (7.0, 4.2), "axes.grid": True, "grid.alpha": 0.3, "font.size": 10}

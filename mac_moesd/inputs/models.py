@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import _get_classes, load_model, quantize_model
 
-from mac_moesd import zoo
+from mac_moesd.inputs import zoo
 from mac_moesd.errors import MacMoesdError
 
 __all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "resolve"]
@@ -264,7 +264,7 @@ def build(
 
 def describe_zoo() -> list[dict]:
     """One row per zoo model: shape, threshold, parameters and bytes (built lazily, nothing allocated)."""
-    from mac_moesd import theory
+    from mac_moesd.analysis import theory
 
     rows = []
     for entry in zoo.ZOO:

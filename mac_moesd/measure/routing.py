@@ -22,7 +22,8 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from scipy.optimize import least_squares
 
-from mac_moesd import memory, theory
+from mac_moesd.machine import memory
+from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 
 __all__ = ["analyse_windows", "capture_routing", "count_windows", "fit_correlation", "reanalyse",
@@ -285,7 +286,7 @@ def load_text(spec: str | None) -> tuple[str | None, str]:
 
 def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     """Route the token source through the model and count experts; the routing document."""
-    from mac_moesd import models
+    from mac_moesd.inputs import models
 
     if min(cfg.batches) < 1 or min(cfg.tokens) < 1 or cfg.length < max(cfg.tokens):
         raise BadInput("--batch and --tokens must be >= 1 and --length >= the largest --tokens")
@@ -338,7 +339,7 @@ def _fits(built, sequences: int, length: int, available_bytes: int | None) -> bo
 
 
 def zoo_shape(config: dict) -> tuple[int, int]:
-    from mac_moesd import zoo
+    from mac_moesd.inputs import zoo
 
     shape = zoo.expert_shape(config)
     if shape is None:

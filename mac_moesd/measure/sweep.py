@@ -17,10 +17,12 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mac_moesd import memory, models, timing
+from mac_moesd.machine import memory
+from mac_moesd.inputs import models
+from mac_moesd.measure import timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
-from mac_moesd.sampling import rejection_sample
+from mac_moesd.measure.sampling import rejection_sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 

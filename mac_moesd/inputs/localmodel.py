@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mlx_lm.utils import save_config, save_model
 
-from mac_moesd.models import Built
+from mac_moesd.inputs.models import Built
 
 __all__ = ["save_model_folder"]
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import least_squares
 
-from mac_moesd import hardware, theory
-from mac_moesd.digest import Digest, full_depth_points
+from mac_moesd.machine import hardware
+from mac_moesd.analysis import theory
+from mac_moesd.analysis.digest import Digest, full_depth_points
 from mac_moesd.errors import BadInput, MacMoesdError
 
 __all__ = ["FitInputs", "FitResult", "FittedModel", "VariantFit", "fit", "fit_document",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from mac_moesd import theory
+from mac_moesd.analysis import theory
 from mac_moesd.errors import MacMoesdError
 
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
@@ -17,7 +17,7 @@ VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 
 
 def full_depth_points(entries: list[dict]) -> tuple[dict, bool]:
     """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices."""
-    from mac_moesd.sweep import extrapolate
+    from mac_moesd.measure.sweep import extrapolate
 
     for e in entries:
         if e["layers"] == e["layers_full"]:

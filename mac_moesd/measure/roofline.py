@@ -17,7 +17,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mac_moesd import hardware, kernels, theory, timing
+from mac_moesd.machine import hardware
+from mac_moesd.measure import kernels, timing
+from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput
 
 __all__ = ["RooflineConfig", "knee_tokens", "run_roofline"]

@@ -7,7 +7,8 @@ import platform
 import sys
 from importlib import metadata as _importlib_metadata
 
-from mac_moesd import __version__, blas, hardware
+from mac_moesd import __version__
+from mac_moesd.machine import blas, hardware
 
 
 def package_version(name: str) -> str | None:

@@ -21,7 +21,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mac_moesd import hardware, zoo
+from mac_moesd.machine import hardware
+from mac_moesd.inputs import zoo
 from mac_moesd.errors import BadInput
 
 __all__ = [
@@ -352,6 +353,6 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
 def roofline_estimate(cfg) -> dict:
     """Peak of the roofline stage: its largest step as ``roofline.peak_bytes`` (the budget
     ``roofline.validate`` enforces) counts it."""
-    from mac_moesd import roofline
+    from mac_moesd.measure import roofline
 
     return phases(roofline={"largest step": roofline.peak_bytes(cfg)})

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mac_moesd.digest import Digest  # noqa: E402
+from mac_moesd.analysis.digest import Digest  # noqa: E402
 from mac_moesd.errors import BadInput  # noqa: E402
 from mac_moesd.results import load_results  # noqa: E402
 

@@ -13,10 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mac_moesd import fit as fit_module
-from mac_moesd import plots, theory
-from mac_moesd.digest import VERIFY_WINDOW, Digest
-from mac_moesd.formatting import seconds
+from mac_moesd.analysis import fit as fit_module
+from mac_moesd.reporting import plots
+from mac_moesd.analysis import theory
+from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
+from mac_moesd.reporting.formatting import seconds
 
 __all__ = ["build_blocks", "write_report"]
 

@@ -1,0 +1,1 @@
+"""The machine: chip, backend, BLAS, unified memory, and the metadata recorded with results."""
