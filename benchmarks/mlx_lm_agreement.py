@@ -1,8 +1,8 @@
 """Batch-1 decode speed from our sweep against `python -m mlx_lm.benchmark` (goal: within 5%).
 
 Saves a random-weight model (with a word-level tokenizer) to a temporary folder, runs mlx-lm's
-benchmark on it (prompt P, generating G tokens: contexts P..P+G), and times our pipelined decode
-and synchronous T_T(1,1) at the mid context P + G/2 over the same folder. On Linux both use the same BLAS (LD_PRELOAD for
+benchmark on it (prompt P, generating G tokens: contexts P..P+G), and times our pipelined and
+synchronous T_T(1,1) at the mid context P + G/2 over the same folder. On Linux both use the same BLAS (LD_PRELOAD for
 mlx-lm's process when we loaded OpenBLAS). Prints tokens/s both ways and their ratio.
 
     python benchmarks/mlx_lm_agreement.py [--model tiny-moe] [--prompt 64] [--generate 128]
@@ -57,7 +57,7 @@ def main():
                           budget=timing.Budget(seconds_per_point=5.0, target_ci=0.005))
         doc = run_sweep(cfg, store, None)
     sync = 1.0 / doc["points"][0]["median_s"]
-    pipelined = 1.0 / doc["slices"][0]["pipelined"]["median_s"]
+    pipelined = 1.0 / doc["points"][0]["pipelined"]["median_s"]
     print(f"model {args.model}: prompt {args.prompt}, generate {args.generate}, BLAS {blas.describe('cpu')['name']}")
     print(f"mlx_lm.benchmark generation:        {theirs:.1f} tokens/s (median of {args.trials} trials)")
     print(f"mac-moesd pipelined decode at B=1:  {pipelined:.1f} tokens/s (context {cfg.context})")

@@ -29,7 +29,6 @@ __all__ = ["Rates", "chip_rates", "dry_run", "parse_chip"]
 # Apple's newest per-core FP32 figure (M2: 3.6 TFLOPS over 10 GPU cores, hardware.APPLE_CHIPS)
 # stands in for chips without a published one (M3 and later), whose GPU cores are no slower.
 _M2_PER_CORE = 3.6e12 / 10
-PIPELINED_RUNS = 4  # sweep.pipelined_decode: one warm-up and three timed runs
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,12 @@ def point_seconds(t: float, budget: timing.Budget) -> float:
     return (budget.warmup + n) * t
 
 
+def grid_point_seconds(t: float, budget: timing.Budget) -> float:
+    """A sweep point is timed twice: one synchronous forward per sample, and a pipelined chain
+    of ``sweep.PIPELINED_STEPS`` forwards per sample."""
+    return point_seconds(t, budget) + point_seconds(sweep.PIPELINED_STEPS * t, budget)
+
+
 def prefill_seconds(built, rates: Rates, batch: int, context: int) -> float:
     chunks = memory.prefill_forwards(context, sweep.PREFILL_CHUNK)
     return sum(forward_seconds(built, rates, batch, c, done + c)
@@ -132,11 +137,10 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
         need = sweep.estimate(built, cfg)
         big = max(plan.batches)
         seconds += materialise_seconds(built, rates) + prefill_seconds(built, rates, big, plan.context)
-        seconds += sum(point_seconds(forward_seconds(built, rates, b, t, plan.context), plan.budget)
+        seconds += sum(grid_point_seconds(forward_seconds(built, rates, b, t, plan.context), plan.budget)
                        for b in plan.batches for t in plan.tokens)
         first = forward_seconds(built, rates, plan.batches[0], plan.tokens[0], plan.context)
         seconds += point_seconds(first, plan.budget)  # the drift check
-        seconds += PIPELINED_RUNS * sweep.PIPELINED_STEPS * first
         peak = max(peak, need["peak_bytes"])
         parts.append({"layers": layers, "peak_bytes": need["peak_bytes"], "phase": need["phase"]})
     models_used = [name]
@@ -146,7 +150,7 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
         need = sweep.estimate(draft, draft_cfg)
         peak = max(peak, need["peak_bytes"])
         seconds += materialise_seconds(draft, rates) + prefill_seconds(draft, rates, max(plan.batches), plan.context)
-        seconds += sum(point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget)
+        seconds += sum(grid_point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget)
                        for b in plan.batches)
         models_used.append(cfg.draft)
     vocab = source.config["vocab_size"]

@@ -152,15 +152,28 @@ def test_footprint_of_real_dimensions():
     assert dense.params_expert == 0 and dense.experts is None
 
 
-def test_pipelined_decode_restores_the_cache(config_dir):
+def test_pipelined_point_chains_forwards_and_restores_the_cache(config_dir):
     built = models.build(models.resolve(str(config_dir(zoo.miniature(zoo.by_name("tiny-moe").config)))))
     built.materialise()
-    result = sweep.pipelined_decode(built, batch=2, context=12, steps=4, repeats=3)
-    assert result["batch"] == 2 and result["steps"] == 4
-    assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"]
+    cache = sweep.RolledBackCache(built.model, 2, 12, built.config["vocab_size"])
+    point = sweep.pipelined_point(built.model, cache, batch=2, tokens=3, vocab=built.config["vocab_size"], steps=4)
+    last, _ = point.run()
+    mx.eval(last)
+    assert last.shape == (2, 3)
+    assert {c.offset for c in cache.cache} == {12 + 4 * 3}  # four forwards of three tokens
+    point.reset()
+    assert {c.offset for c in cache.cache} == {12}
 
 
-def test_sweep_records_pipelined_decode_for_the_first_batch(tmp_path):
-    cfg = sweep.SweepConfig(model="tiny-dense", batches=(2, 1), tokens=(1,), context=8, budget=TINY_BUDGET)
+def test_sweep_records_both_timings_at_every_point(tmp_path):
+    cfg = sweep.SweepConfig(model="tiny-moe", batches=(2, 1), tokens=(1, 2), context=8, budget=TINY_BUDGET,
+                            draft="tiny-draft")
     doc = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
-    assert doc["slices"][0]["pipelined"]["batch"] == 2
+    for row in doc["points"] + doc["draft"]["points"]:
+        pipe = row["pipelined"]
+        assert pipe["steps"] == sweep.PIPELINED_STEPS and pipe["repeats"] >= TINY_BUDGET.min_repeats
+        assert 0 < pipe["median_s"] < 10 * row["median_s"]
+    assert {(r["batch"], r["tokens"]) for r in doc["points"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    # Kept on a rerun: nothing is measured again.
+    again = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
+    assert [r["pipelined"]["median_s"] for r in again["points"]] == [r["pipelined"]["median_s"] for r in doc["points"]]

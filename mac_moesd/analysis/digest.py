@@ -15,17 +15,19 @@ from mac_moesd.errors import MacMoesdError
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
 
-def full_depth_points(entries: list[dict]) -> tuple[dict, bool]:
-    """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices."""
+def full_depth_points(entries: list[dict], kind: str = "points") -> tuple[dict, bool]:
+    """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices.
+    ``kind``: "points" (synchronous) or "pipelined_points" (empty where not measured)."""
     from mac_moesd.measure.sweep import extrapolate
 
     for e in entries:
         if e["layers"] == e["layers_full"]:
-            return e["points"], False
+            return e.get(kind, {}), False
     by_layers = {e["layers"]: e for e in entries}
     for n, small in sorted(by_layers.items()):
         if 2 * n in by_layers:
-            return extrapolate(small, by_layers[2 * n], n, small["layers_full"]), True
+            return extrapolate({"points": small.get(kind, {})}, {"points": by_layers[2 * n].get(kind, {})},
+                               n, small["layers_full"]), True
     raise MacMoesdError("only partial layer slices were measured; rerun the sweep to finish them")
 
 
@@ -61,6 +63,12 @@ class ModelView:
     @property
     def extrapolated(self) -> bool:
         return self._points[1]
+
+    @cached_property
+    def pipelined(self) -> dict[tuple[int, int], dict]:
+        """Seconds per forward in a pipelined chain (as mlx-lm generates), where measured."""
+        points, _ = full_depth_points(self.entries, "pipelined_points")
+        return {tuple(int(v) for v in k.split("x")): m for k, m in points.items()}
 
     @property
     def full(self) -> dict:

@@ -12,6 +12,9 @@ either the knee is fitted in tokens within the measured grid.
 
 Without a drafter sweep only T_T is fitted: predictions carry target efficiency, and speedups
 are None until T_D(B,1) is measured.
+
+The fit is to synchronous forwards; speedups are predicted with the timing each loop experiences
+(``pipelining``): plain decode and drafter steps pipelined, as mlx-lm runs them.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy.optimize import least_squares
 
 from mac_moesd.machine import hardware
-from mac_moesd.analysis import theory
+from mac_moesd.analysis import pipelining, theory
 from mac_moesd.analysis.digest import Digest, full_depth_points
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -42,6 +45,8 @@ MIN_SIDE_POINTS = 2  # two parameters each for the drafter and rejection samplin
 LAM_BOUNDS = (0.2, 1.0)  # MoESD's bounds on lam, applied to the knee in tokens
 NO_DRAFT = "speedups need the drafter step T_D(B,1): rerun the sweep with --draft DRAFT"
 NO_REJECT = "speedups need the rejection-sampling step T_rej(B): rerun the sweep with --draft DRAFT"
+NO_PIPELINED = ("no pipelined timings in this sweep (made before they were recorded): predictions use "
+                "synchronous forwards for plain decode and drafter steps too; rerun the sweep to add them")
 # Variants closer than this in held-out MAPE are not told apart by the grid.
 INDISTINCT_MAPE = 0.005
 
@@ -94,6 +99,8 @@ class FitInputs:
     sort_threshold_source: str = "default"
     missing: tuple[str, ...] = ()  # what the fit could not use, and what it would take
     platform: str = "this machine"  # chip, backend and MLX versions the sweep ran on
+    target_pipelined: tuple[tuple[int, int, float], ...] = ()  # (batch, tokens, seconds per forward)
+    draft_pipelined: tuple[tuple[int, float], ...] = ()
 
     @property
     def drafted(self) -> bool:
@@ -119,6 +126,7 @@ class FitResult:
     variants: list[VariantFit]
     chosen: str
     inputs: FitInputs = field(repr=False)
+    pipelining: pipelining.Pipelining = pipelining.Pipelining()
 
     def variant(self, name: str) -> VariantFit:
         return next(v for v in self.variants if v.name == name)
@@ -147,7 +155,7 @@ class FitResult:
         v = self.variant(name or self.chosen)
         i = self.inputs
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
-                           i.sort_threshold, i.drafted)
+                           i.sort_threshold, i.drafted, self.pipelining)
 
 
 @dataclass(frozen=True)
@@ -162,23 +170,31 @@ class FittedModel:
     loads: str
     sort_threshold: int
     drafted: bool
+    pipelining: pipelining.Pipelining = pipelining.Pipelining()
 
-    def target(self, batch, tokens, context: int) -> np.ndarray:
-        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L."""
+    def target(self, batch, tokens, context: int, pipelined: bool = False) -> np.ndarray:
+        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L; with
+        ``pipelined``, less the graph-building time a pipelined loop hides."""
         batch = np.asarray(batch, dtype=float)
         n = batch * np.asarray(tokens, dtype=float)
-        return (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
+        sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
                                         self.sort_threshold)
                 + theory.kv_time(batch, context, self.k_kv))
+        return pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
                 self_draft: bool = False) -> np.ndarray:
-        """S(B, gamma) at acceptance alpha and context L; a self-draft's step is the target's."""
+        """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
+        (``pipelining``); a self-draft's step is the target's."""
         if not self.drafted:
             raise MacMoesdError(NO_DRAFT)
-        plain = self.target(batch, 1, context)
-        verify_t = self.target(batch, verify_tokens(gamma, verify), context)
-        draft = plain if self_draft else self.params.draft_time(batch, self.ridge_tokens)
+        plain = self.target(batch, 1, context, pipelined=True)
+        verify_t = self.target(batch, verify_tokens(gamma, verify), context, pipelined=True)
+        if self_draft:
+            draft = pipelining.draft_step(self.target(batch, 1, context), self.pipelining.target_s, gamma)
+        else:
+            draft = pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
+                                          self.pipelining.draft_s, gamma)
         sigma = theory.normalised_acceptance(alpha, gamma)
         return theory.speedup(sigma, gamma, plain, verify_t, draft, self.params.reject_time(batch))
 
@@ -189,7 +205,8 @@ class FittedModel:
         v = next(x for x in doc["variants"] if x["name"] == name)
         params = {k: (0.0 if val is None else val) for k, val in v["params"].items()}
         return cls(theory.TimeModel(**params), v["k_kv"], doc["experts"], doc["top_k"],
-                   doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"])
+                   doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"],
+                   pipelining.Pipelining.from_dict(doc.get("pipelining")))
 
 
 # ---- reading a results file ----
@@ -214,6 +231,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     name, full, footprint = view.name, view.full, view.footprint
     points, extrapolated = full_depth_points(view.entries)
     target = _as_pairs(points)
+    target_pipelined = _as_pairs(full_depth_points(view.entries, "pipelined_points")[0])
     missing = []
 
     drafts = [d for d in data.get("draft", {}).values() if d.get("points")]
@@ -238,6 +256,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
                        "the grid; run `mac-moesd roofline` to anchor it")
     if bandwidth is None:
         missing.append("no measured or published bandwidth: bias and k2 are bounded below by 0 only")
+    if not target_pipelined:
+        missing.append(NO_PIPELINED)
     if full.get("gather") == "sorted":
         threshold, threshold_source = 0, "the sweep forced mlx-lm's sorted gather at every size"
     else:
@@ -269,6 +289,9 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         sort_threshold_source=threshold_source,
         missing=tuple(missing),
         platform=_platform(data.get("meta", {})),
+        target_pipelined=tuple(target_pipelined),
+        draft_pipelined=tuple((b, s) for b, _, s in _as_pairs(draft.get("pipelined_points", {})))
+        if draft and rejects else (),
     )
 
 
@@ -439,7 +462,23 @@ def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> F
     fitted = [fit_variant(inputs, name) for name in variants]
     scored = [v for v in fitted if v.heldout_mape is not None]
     chosen = min(scored, key=lambda v: v.heldout_mape) if scored else fitted[0]
-    return FitResult(fitted, chosen.name, inputs)
+    result = FitResult(fitted, chosen.name, inputs)
+    return replace(result, pipelining=measure_pipelining(result))
+
+
+def measure_pipelining(result: FitResult) -> pipelining.Pipelining:
+    """The seconds per forward pipelining hides, from the points timed both ways, and how well
+    the fitted T_T less that figure matches the pipelined points."""
+    i = result.inputs
+    target_s, target_n = pipelining.hidden_seconds({(b, t): s for b, t, s in i.target},
+                                                   {(b, t): s for b, t, s in i.target_pipelined})
+    draft_s, draft_n = pipelining.hidden_seconds(dict(i.draft), dict(i.draft_pipelined))
+    found = pipelining.Pipelining(target_s, draft_s, target_n, draft_n)
+    if not target_n:
+        return found
+    model = replace(result.model(), pipelining=found)
+    errors = [float(model.target(b, t, i.context, pipelined=True)) / s - 1 for b, t, s in i.target_pipelined]
+    return replace(found, target_mape=float(np.mean(np.abs(errors))))
 
 
 # ---- predictions ----
@@ -501,8 +540,7 @@ def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches
     ks = sorted({k for k in (1, 2, K // 2, K, 2 * K, 4 * K) if 1 <= k <= E})
     out = []
     for k in ks:
-        changed = FittedModel(model.params, model.k_kv, E, k, model.ridge_tokens, model.loads,
-                              model.sort_threshold, model.drafted)
+        changed = replace(model, top_k=k)
         rows = predict(changed, context, batches, (gamma,), (alpha,), verify)
         top = max(rows, key=lambda p: p["speedup"])
         out.append({"top_k": k, "rho": k / E, "peak_batch": top["batch"], "peak_speedup": top["speedup"],
@@ -573,6 +611,7 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
                       "k_kv": v.k_kv, "knee_tokens": v.params.knee(i.ridge_tokens), "worst_point": v.worst}
                      for v in result.variants],
         "missing": list(i.missing),
+        "pipelining": result.pipelining.to_dict(),
         "params": _params_doc(best, i.drafted),
         "k_kv": best.k_kv,
         "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},

@@ -284,17 +284,17 @@ def _materialise(built) -> dict[str, int]:
 
 
 def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], context: int,
-                   chunk: int, extra_steps: int = 0) -> dict:
+                   chunk: int, extra_tokens: int = 0) -> dict:
     """Peak of one sweep slice: the largest batch's cache is prefilled once and timed, then each
-    smaller batch runs on a copy of its rows; ``extra_steps`` more one-token steps for the
-    pipelined-decode check."""
+    smaller batch runs on a copy of its rows; a pipelined sample grows the cache by
+    ``extra_tokens`` before its rollback."""
     config, db = built.config, _dtype_bytes(built)
     per_slot = kv_bytes_per_slot(config, db) * built.layers
     big = max(batches)
     rows = max((b for b in batches if b < big), default=0)
     prefill = prefill_forwards(context, chunk)
     _, prefill_peak = kv_slots(prefill)
-    grown, grow_peak = kv_slots(prefill + [max(max(tokens), extra_steps)])
+    grown, grow_peak = kv_slots(prefill + [max(max(tokens), extra_tokens)])
     weights = built.footprint.bytes_total
     step = max(tokens)
     forward = {"activations": activation_bytes(config, db, big, step, context + step),

@@ -74,12 +74,16 @@ class Decoder:
         self.draft_rolled.reset()
 
     def plain(self, steps: int) -> int:
-        """Greedy one-token steps; returns tokens produced (all sequences)."""
-        y = self.pending
-        for _ in range(steps):
-            logits = self.target(y, cache=self.target_cache)
-            y = mx.argmax(logits[:, -1:], axis=-1)
-            mx.eval(y)
+        """Greedy one-token steps, each next step built while the current one runs, as
+        mlx-lm's generate_step does; returns tokens produced (all sequences)."""
+        current = mx.argmax(self.target(self.pending, cache=self.target_cache)[:, -1:], axis=-1)
+        mx.async_eval(current)
+        for _ in range(steps - 1):
+            following = mx.argmax(self.target(current, cache=self.target_cache)[:, -1:], axis=-1)
+            mx.async_eval(following)
+            mx.eval(current)  # the loop reads each token as it arrives
+            current = following
+        mx.eval(current)
         return steps * self.batch
 
     def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None) -> tuple[int, list[int]]:
@@ -90,9 +94,10 @@ class Decoder:
         y = self.pending
         while produced.min() < new_tokens:
             x, drafts, draft_logits = y, [], []
-            for _ in range(gamma):
+            for _ in range(gamma):  # each draft step queued as built, as mlx-lm's _draft_generate
                 logits = self.draft(x, cache=self.draft_cache)[:, -1:]
                 x = mx.argmax(logits, axis=-1)
+                mx.async_eval(x)
                 drafts.append(x)
                 draft_logits.append(logits)
             drafts_arr = mx.concatenate(drafts, axis=1)

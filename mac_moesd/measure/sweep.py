@@ -2,7 +2,10 @@
 
 Per batch size the cache is prefilled once to the context; after every timed forward it is rolled
 back (trimmed, or restored from a snapshot for caches that cannot trim, e.g. sliding windows) and
-its offset checked. Also the drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B).
+its offset checked. Every point is timed two ways, interleaved in one shuffled schedule:
+synchronously (one forward, graph construction included: what a verify forward that must be read
+back costs) and pipelined (a chain of forwards, each built while the previous one runs under
+``mx.async_eval``, as mlx-lm's generation loops do: what a decode step costs there). Also the drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B).
 Models too big for memory are measured on slices of N and 2N layers and extrapolated to full depth.
 """
 
@@ -27,7 +30,7 @@ from mac_moesd.measure.sampling import rejection_sample
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
 PREFILL_CHUNK = 512
-PIPELINED_STEPS = 16
+PIPELINED_STEPS = 8  # forwards per pipelined sample; the first graph build is spread over them
 
 
 class Progress:
@@ -70,7 +73,7 @@ class SweepConfig:
 def estimate(built: models.Built, cfg: SweepConfig) -> dict:
     """Peak memory of measuring one slice (``memory.sweep_estimate``), before allocating it."""
     return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK,
-                                 PIPELINED_STEPS)
+                                 PIPELINED_STEPS * max(cfg.tokens))
 
 
 def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
@@ -173,6 +176,28 @@ def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab:
     return timing.Point(run=run, reset=lambda: cache.rollback(tokens))
 
 
+def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
+                    steps: int = PIPELINED_STEPS) -> timing.Point:
+    """``steps`` forwards of B x t tokens, each fed the previous one's argmax (a real data
+    dependency, as in decoding), each next graph built and queued with ``mx.async_eval`` before
+    waiting on the current one: the loop of mlx-lm's ``generate_step``. One sample covers all
+    ``steps``; ``timing.per_launch`` turns it into seconds per forward."""
+    inputs = mx.random.randint(0, vocab, (batch, tokens))
+    mx.eval(inputs)
+
+    def run():
+        current = mx.argmax(model(inputs, cache=cache.cache), axis=-1)
+        mx.async_eval(current)
+        for _ in range(steps - 1):
+            following = mx.argmax(model(current, cache=cache.cache), axis=-1)
+            mx.async_eval(following)
+            mx.eval(current)
+            current = following
+        return current, cache.state()
+
+    return timing.Point(run=run, reset=lambda: cache.rollback(steps * tokens))
+
+
 def reject_point(batch: int, gamma: int, vocab: int) -> timing.Point:
     target = mx.random.normal((batch, gamma + 1, vocab))
     draft = mx.random.normal((batch, gamma, vocab))
@@ -207,14 +232,17 @@ def measure_grid(
     save: Callable[[], None],
     progress: Progress,
     rng: random.Random,
-    pipelined: bool = False,
+    check_drift: bool = False,
 ) -> bool:
-    """Measure the missing (B, t) points of ``entry`` and the drift check (and, with
-    ``pipelined``, pipelined decode at the first batch size), all on one prefill: the largest
-    batch's cache, and copies of its rows for the smaller batches. True if anything ran."""
+    """Measure the missing (B, t) points of ``entry``, synchronous (``entry["points"]``) and
+    pipelined (``entry["pipelined_points"]``), and with ``check_drift`` the drift check, all on one
+    prefill: the largest batch's cache, and copies of its rows for the smaller batches. True if
+    anything ran."""
     vocab = built.config["vocab_size"]
     big = max(cfg.batches)
     parent = None
+    entry.setdefault("pipelined_points", {})
+    kinds = {"points": forward_point, "pipelined_points": pipelined_point}
 
     def cache_for(batch: int) -> RolledBackCache:
         nonlocal parent
@@ -222,60 +250,35 @@ def measure_grid(
             parent = RolledBackCache(built.model, big, cfg.context, vocab)
         return parent if batch == big else parent.rows(batch)
 
-    # Largest first: its cache grows to context + t before smaller batches copy its rows.
+    # Largest first: its cache grows before smaller batches copy its rows.
     for batch in sorted(cfg.batches, reverse=True):
-        todo = [t for t in tokens if point_key(batch, t) not in entry["points"]]
-        for t in set(tokens) - set(todo):
-            progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t} (kept)")
+        todo = [(kind, t) for t in tokens for kind in kinds if point_key(batch, t) not in entry[kind]]
+        for t in tokens:
+            if all(point_key(batch, t) in entry[kind] for kind in kinds):
+                progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t} (kept)")
         if not todo:
             continue
         cache = cache_for(batch)
-        points = {t: forward_point(built.model, cache, batch, t, vocab) for t in todo}
+        points = {(kind, t): kinds[kind](built.model, cache, batch, t, vocab) for kind, t in todo}
 
-        def done(t, m, batch=batch):
-            entry["points"][point_key(batch, t)] = m.to_dict()
+        def done(key, m, batch=batch):
+            kind, t = key
+            if kind == "pipelined_points":
+                m = {**timing.per_launch(m, PIPELINED_STEPS).to_dict(), "steps": PIPELINED_STEPS}
+            else:
+                m = m.to_dict()
+            entry[kind][point_key(batch, t)] = m
             save()
-            progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
+            if all(point_key(batch, t) in entry[k] for k in kinds):
+                progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
 
         timing.measure(points, cfg.budget, rng, on_done=done)
         del cache, points
-    if not pipelined:
-        return parent is not None
-    first = cfg.batches[0]
-    cache = cache_for(first)
-    entry["drift"] = measure_drift(built, cfg, entry, rng, cache)
-    if "pipelined" not in entry:
-        entry["pipelined"] = pipelined_decode(built, first, cfg.context, cache=cache)
-    return True
-
-
-def pipelined_decode(built: models.Built, batch: int, context: int, steps: int = PIPELINED_STEPS,
-                     repeats: int = 3, cache: RolledBackCache | None = None) -> dict:
-    """Seconds per greedy decode step when the next step's graph is built while the current one
-    runs (``mx.async_eval``, as mlx-lm's generate loop does): what plain decode achieves, where the
-    synchronous T_T(B,1) also pays for building each graph. Median over ``repeats`` runs."""
-    vocab = built.config["vocab_size"]
-    cache = cache or RolledBackCache(built.model, batch, context, vocab)
-
-    def run() -> float:
-        y = mx.random.randint(0, vocab, (batch, 1))
-        mx.eval(y)
-        start = time.perf_counter()
-        nxt = mx.argmax(built.model(y, cache=cache.cache)[:, -1:], axis=-1)
-        mx.async_eval(nxt)
-        for _ in range(steps - 1):
-            y, nxt = nxt, mx.argmax(built.model(nxt, cache=cache.cache)[:, -1:], axis=-1)
-            mx.async_eval(nxt)
-            mx.eval(y)
-        mx.eval(nxt, cache.state())
-        elapsed = time.perf_counter() - start
-        cache.rollback(steps)
-        return elapsed / steps
-
-    run()  # warm-up
-    values = sorted(run() for _ in range(repeats))
-    return {"batch": batch, "steps": steps, "repeats": repeats, "median_s": values[len(values) // 2],
-            "min_s": values[0], "max_s": values[-1]}
+    ran = parent is not None
+    if check_drift and (ran or "drift" not in entry):
+        entry["drift"] = measure_drift(built, cfg, entry, rng, cache_for(cfg.batches[0]))
+        ran = True
+    return ran
 
 
 def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
@@ -338,7 +341,7 @@ def run_sweep(
         entry = store.entry("sweeps", entry_key(built, cfg.context), entry_header(built, cfg.context))
         need = estimate(built, cfg)
         built.materialise()
-        if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, pipelined=True):
+        if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, check_drift=True):
             entry["memory"] = memory.record(need, available_bytes)
         store.save()
         entries.append(entry)
@@ -391,7 +394,7 @@ def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
     store.save()
     del built
     memory.release()
-    return {**header, "points": points_list(entry["points"]), "memory": entry.get("memory")}
+    return {**header, "points": points_list(entry["points"], entry.get("pipelined_points")), "memory": entry.get("memory")}
 
 
 def measure_reject(cfg, source, store, progress, rng, available_bytes: int | None = None) -> dict:
@@ -424,27 +427,33 @@ def reject_estimate(vocab: int, cfg: SweepConfig) -> dict:
     return memory.phases(reject={"rejection": memory.rejection_bytes(vocab, max(cfg.batches), cfg.gamma)})
 
 
-def points_list(points: dict) -> list[dict]:
+def points_list(points: dict, pipelined: dict | None = None) -> list[dict]:
+    """Rows of {batch, tokens, median_s, ...}; each with its pipelined timing when measured."""
     out = []
     for key, m in points.items():
         batch, tokens = (int(v) for v in key.split("x"))
         row = {"batch": batch, "tokens": tokens}
         row.update({k: v for k, v in m.items() if k != "samples_s"})
+        if pipelined and key in pipelined:
+            row["pipelined"] = {k: v for k, v in pipelined[key].items() if k != "samples_s"}
         out.append(row)
     return sorted(out, key=lambda r: (r["batch"], r["tokens"]))
 
 
+def full_depth(entries: list[dict], plan: list[int], kind: str = "points") -> dict:
+    """One kind of points (``points`` or ``pipelined_points``) at full depth: measured, or
+    extrapolated from the (n, 2n) slices."""
+    if len(plan) == 1:
+        return dict(entries[0].get(kind, {}))
+    small, large = ({"points": e.get(kind, {})} for e in entries)
+    return extrapolate(small, large, plan[0], entries[0]["layers_full"])
+
+
 def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
     wanted = {point_key(b, t) for b in cfg.batches for t in cfg.tokens}
-    if len(plan) == 1:
-        points = {k: v for k, v in entries[0]["points"].items() if k in wanted}
-        extrapolated = False
-    else:
-        points = {
-            k: v for k, v in extrapolate(entries[0], entries[1], plan[0], entries[0]["layers_full"]).items()
-            if k in wanted
-        }
-        extrapolated = True
+    points = {k: v for k, v in full_depth(entries, plan).items() if k in wanted}
+    pipelined = full_depth(entries, plan, "pipelined_points")
+    extrapolated = len(plan) > 1
     warnings = []
     for entry in entries:
         label = f"{source.name} ({entry['layers']} layers)"
@@ -459,7 +468,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
             )
     return {
         "model": source.name,
-        "points": points_list(points),
+        "points": points_list(points, pipelined),
         "context": cfg.context,
         "layers_measured": plan,
         "layers_full": entries[0]["layers_full"],
@@ -468,8 +477,9 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
         "bits": entries[0]["bits"],
         "footprint": footprint_full.to_dict(),
         "slices": [
-            {"layers": e["layers"], "points": points_list({k: v for k, v in e["points"].items() if k in wanted}),
-             "drift": e.get("drift"), "pipelined": e.get("pipelined"), "memory": e.get("memory")}
+            {"layers": e["layers"], "points": points_list({k: v for k, v in e["points"].items() if k in wanted},
+                                                          e.get("pipelined_points")),
+             "drift": e.get("drift"), "memory": e.get("memory")}
             for e in entries
         ],
         "warnings": warnings,

@@ -170,21 +170,27 @@ def render_sweep(doc: dict) -> str:
             cells.append(f"{seconds(p['median_s'])} ({p['cv']:.0%}, {p['repeats']})" if p else "-")
         rows.append(cells)
     lines.append(table(["B \\ t", *map(str, tokens)], rows))
+    if any(p.get("pipelined") for p in points.values()):
+        lines += ["", "pipelined, per forward (next graph built while one runs, as mlx-lm generates)"]
+        rows = []
+        for b in batches:
+            cells = [str(b)]
+            for t in tokens:
+                pipe = (points.get((b, t)) or {}).get("pipelined")
+                cells.append(f"{seconds(pipe['median_s'])} ({pipe['cv']:.0%})" if pipe else "-")
+            rows.append(cells)
+        lines.append(table(["B \\ t", *map(str, tokens)], rows))
     if doc.get("draft"):
         d = doc["draft"]
-        steps = ", ".join(f"B={p['batch']}: {seconds(p['median_s'])}" for p in d["points"])
+        steps = ", ".join(f"B={p['batch']}: {seconds(p['median_s'])}"
+                          + (f" ({seconds(p['pipelined']['median_s'])} pipelined)" if p.get("pipelined") else "")
+                          for p in d["points"])
         lines += ["", f"drafter {d['model']} one-token step T_D(B,1): {steps}"]
     if doc.get("reject"):
         r = doc["reject"]
         steps = ", ".join(f"B={p['batch']}: {seconds(p['median_s'])}" for p in r["points"])
         lines += [f"rejection sampling T_rej(B), gamma={r['gamma']}, V={r['vocab']}: {steps}"]
     for s in doc["slices"]:
-        pipe = s.get("pipelined")
-        sync = points.get((pipe["batch"], 1)) if pipe else None
-        if pipe and sync and not doc["extrapolated"]:
-            lines.append(f"pipelined decode at B={pipe['batch']} (next graph built while one runs, as "
-                         f"mlx-lm generates): {seconds(pipe['median_s'])} per step against "
-                         f"{seconds(sync['median_s'])} synchronous")
         if s["drift"]:
             d = s["drift"]
             state = "FLAGGED" if d["flagged"] else "ok"
@@ -267,6 +273,16 @@ def _num(v: float | None, fmt: str = ".4g") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def pipelining_lines(pipe: dict | None) -> list[str]:
+    """One sentence on what pipelining hides per forward, when the sweep measured it."""
+    if not pipe or not pipe.get("target_points"):
+        return []
+    fit = "" if pipe.get("target_mape") is None else f"; fitted T_T less it: MAPE {pipe['target_mape']:.1%} on the pipelined points"
+    draft = f", drafter {seconds(pipe['draft_s'])}" if pipe.get("draft_points") else ""
+    return [f"pipelining hides per forward (median of synchronous - pipelined over {pipe['target_points']} points): "
+            f"target {seconds(pipe['target_s'])}{draft}{fit}; speedups use pipelined plain and draft steps"]
+
+
 def render_fit(doc: dict) -> str:
     p = doc["params"]
     drafter = f"drafter {doc['draft_model']}" if doc["drafted"] else "no drafter measured"
@@ -289,6 +305,7 @@ def render_fit(doc: dict) -> str:
               [[v["name"], _num(v["heldout_mape"], ".1%"), f"{v['knee_tokens']:.1f}",
                 "chosen" if v["name"] == doc["chosen"] else ""] for v in doc["variants"]]),
         doc["regime"],
+        *pipelining_lines(doc.get("pipelining")),
         "",
         f"parameters of `{doc['chosen']}`:",
         table(["parameter", "value", "lower", "upper"],

@@ -17,7 +17,7 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.reporting import plots
 from mac_moesd.analysis import theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
-from mac_moesd.reporting.formatting import seconds
+from mac_moesd.reporting.formatting import pipelining_lines, seconds
 
 __all__ = ["build_blocks", "write_report"]
 
@@ -209,6 +209,7 @@ def _fit(d: Digest, figures) -> list:
         blocks.append(("p", "Regime: " + f["regime"] + " `unique` reads each activated expert once "
                        "(MoESD's Algorithm 1, k2*N(n)); `pairs` once per token-expert pair (k2*n*K); "
                        "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
+        blocks += [("p", line[0].upper() + line[1:] + ".") for line in pipelining_lines(f.get("pipelining"))]
         rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"]]
         blocks.append(("table", ["parameter", f"value (`{f['chosen']}`)"], rows))
         for line in f["missing"]:
@@ -303,11 +304,11 @@ def _spec(d: Digest) -> list:
 
 
 def _method(d: Digest) -> list:
-    rows, pipelined = [], []
+    rows, pipelined, steps = [], [], set()
     for m in d.models:
-        pipe = m.full.get("pipelined")
-        sync = m.median(pipe["batch"], 1) if pipe else None
-        if pipe and sync and not m.extrapolated:
+        pipe, sync = m.pipelined.get((1, 1)), m.median(1, 1)
+        steps |= {p["steps"] for p in m.pipelined.values() if "steps" in p}
+        if pipe and sync:
             pipelined.append(f"{m.name} {seconds(pipe['median_s'])} pipelined against {seconds(sync)} "
                              "synchronous")
         med, worst, repeats = m.cv_stats()
@@ -327,9 +328,12 @@ def _method(d: Digest) -> list:
         blocks.append(("table", ["model", "format", "context", "layers measured", "repeats",
                                  "median CV", "worst CV", "drift"], rows))
     if pipelined:
-        blocks.append(("p", "T_T is the latency of a synchronous forward, graph construction included. "
-                       "Batch-1 decode with the next graph built while the current one runs (as "
-                       "mlx-lm generates): " + "; ".join(pipelined) + "."))
+        blocks.append(("p", "Every point is timed two ways, interleaved: synchronously (one forward, graph "
+                       "construction included: what a verify forward whose tokens are read back costs) and "
+                       f"pipelined (chains of {'/'.join(map(str, sorted(steps))) or 'several'} forwards, each built while the previous one runs, as "
+                       "mlx-lm generates: what a decode step costs). Predictions use the pipelined time for "
+                       "plain decode and drafter steps, and the synchronous one where a loop waits. "
+                       "Batch-1 decode step: " + "; ".join(pipelined) + "."))
     return blocks
 
 

@@ -1,0 +1,71 @@
+"""What each decoding loop experiences: forwards whose graph is built while the previous one runs.
+
+mlx-lm's loops queue each next forward with ``mx.async_eval`` before waiting on the current one,
+so in plain decode and in the drafter's steps the cost of building a graph (Python, dispatch) is
+hidden behind the previous forward's compute. A speculative round cannot hide its first draft
+step: it waits for the verify result before it knows what to draft. The sweep times every point
+both ways; the hidden part is their difference, about constant per forward (building a graph
+costs the same whatever B and t), so one figure per model carries it to any batch and window.
+
+Per round (gamma draft steps, one verify of gamma+1 tokens):
+  round = T_D,sync + (gamma - 1) * T_D,pipe + T_T,pipe(B, gamma+1) + T_rej
+  plain = T_T,pipe(B, 1) per token
+(the verify forward is built while the last draft step runs, so its cost is the pipelined one).
+
+The hidden part is min(graph build, compute): pipelining can hide no more than the shorter of the
+two, so it is at most half a synchronous forward. Each point's difference is clipped to that, and
+so is the figure wherever it is applied; a noisy machine cannot make a forward free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["Pipelining", "draft_step", "hidden_seconds", "pipelined"]
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """Seconds per forward that pipelining hides, for the target and for the drafter."""
+
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    target_points: int = 0  # points timed both ways that the figure comes from
+    draft_points: int = 0
+    target_mape: float | None = None  # the fitted T_T minus target_s against the pipelined points
+
+    @property
+    def measured(self) -> bool:
+        return self.target_points > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> Pipelining:
+        return cls(**{k: v for k, v in (data or {}).items() if k in cls.__dataclass_fields__})
+
+
+def hidden_seconds(sync: dict, pipelined: dict) -> tuple[float, int]:
+    """Median over the points timed both ways of (synchronous - pipelined), at least 0, and how
+    many points it came from. Keys are any point labels; values seconds."""
+    both = sorted(sync.keys() & pipelined.keys())
+    if not both:
+        return 0.0, 0
+    return float(np.median([np.clip(sync[k] - pipelined[k], 0.0, sync[k] / 2) for k in both])), len(both)
+
+
+def pipelined(sync, hidden: float) -> np.ndarray:
+    """A synchronous forward time as a pipelined loop sees it: less the hidden part, which is
+    never more than half of it."""
+    sync = np.asarray(sync, dtype=float)
+    return sync - np.minimum(hidden, sync / 2)
+
+
+def draft_step(sync, hidden: float, gamma: int) -> np.ndarray:
+    """The drafter's mean cost per step within a round: the first step pays its graph build,
+    the other gamma - 1 are pipelined."""
+    sync = np.asarray(sync, dtype=float)
+    return sync - np.minimum(hidden, sync / 2) * (gamma - 1) / gamma

@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+
+from mac_moesd.analysis import fit, pipelining, theory
+from test_fit import L, synthetic_results
+
+HIDDEN_T, HIDDEN_D = 0.0015, 0.0004
+
+
+def with_pipelined(data: dict, hidden_t=HIDDEN_T, hidden_d=HIDDEN_D) -> dict:
+    """Pipelined points that hide a fixed graph-build time per forward, as a real sweep records."""
+    for entry in data["sweeps"].values():
+        entry["pipelined_points"] = {k: {"median_s": m["median_s"] - hidden_t} for k, m in entry["points"].items()}
+    for entry in data["draft"].values():
+        entry["pipelined_points"] = {k: {"median_s": m["median_s"] - hidden_d} for k, m in entry["points"].items()}
+    return data
+
+
+def test_hidden_seconds_is_the_median_difference_clipped_to_half_a_forward():
+    sync = {"a": 0.010, "b": 0.020, "c": 0.004, "d": 0.010}
+    pipe = {"a": 0.008, "b": 0.018, "c": 0.0005, "d": 0.0105}  # c: noise beyond half; d: slower
+    hidden, n = pipelining.hidden_seconds(sync, pipe)
+    assert n == 4
+    assert hidden == pytest.approx(np.median([0.002, 0.002, 0.002, 0.0]))
+    assert pipelining.hidden_seconds(sync, {}) == (0.0, 0)
+    # Never more than half a forward, wherever it is applied.
+    assert pipelining.pipelined([0.010, 0.002], 0.002).tolist() == pytest.approx([0.008, 0.001])
+
+
+def test_fit_measures_what_pipelining_hides_and_predicts_each_loop_with_it():
+    result = fit.fit(fit.inputs_from_results(with_pipelined(synthetic_results(noise=0.0))))
+    p = result.pipelining
+    assert p.target_s == pytest.approx(HIDDEN_T, rel=1e-6) and p.target_points == 30
+    assert p.draft_s == pytest.approx(HIDDEN_D, rel=1e-6) and p.draft_points == 5
+    assert p.target_mape < 0.05
+    m = result.model()
+    b, gamma, alpha = 2, 4, 0.7
+    plain = m.target(b, 1, L) - HIDDEN_T
+    verify = m.target(b, gamma + 1, L) - HIDDEN_T
+    d_sync = m.params.draft_time(b, m.ridge_tokens)
+    per_round = d_sync + (gamma - 1) * (d_sync - HIDDEN_D) + verify + m.params.reject_time(b)
+    sigma = theory.normalised_acceptance(alpha, gamma)
+    expected = sigma * (gamma + 1) * plain / per_round
+    assert float(m.speedup(b, gamma, alpha, L)) == pytest.approx(float(expected), rel=1e-9)
+    # Stored and read back, the predictor uses the same figures.
+    doc = fit.fit_document(result)
+    assert doc["pipelining"]["target_s"] == pytest.approx(HIDDEN_T)
+    assert fit.speedup_predictor(doc)(b, gamma, alpha, False, L) == pytest.approx(float(expected))
+
+
+def test_pipelining_lowers_the_predicted_speedup_when_graph_building_is_hidden_from_plain_decode():
+    plain_only = fit.fit(fit.inputs_from_results(synthetic_results(noise=0.0)))
+    both = fit.fit(fit.inputs_from_results(with_pipelined(synthetic_results(noise=0.0), hidden_d=0.0)))
+    # Same synchronous fit; plain decode and the verify both lose HIDDEN_T, the plain per token
+    # share is larger, so SD gains less than a synchronous comparison says.
+    assert float(both.model().speedup(1, 4, 0.7, L)) < float(plain_only.model().speedup(1, 4, 0.7, L))
+
+
+def test_results_without_pipelined_points_say_so_and_predict_synchronously():
+    inputs = fit.inputs_from_results(synthetic_results(noise=0.0))
+    assert fit.NO_PIPELINED in inputs.missing
+    result = fit.fit(inputs)
+    assert not result.pipelining.measured
+    m = result.model()
+    assert float(m.target(2, 1, L, pipelined=True)) == float(m.target(2, 1, L))
