@@ -307,11 +307,10 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
 
     memory.start_stage()
     try:
-        document = roofline.run_roofline(cfg, spec, machine.backend, progress.advance)
+        document = roofline.run_roofline(cfg, spec, machine.backend, progress.advance,
+                                         usable_bytes=usable.usable_bytes)
     finally:
         progress.close()
-    document["memory"] = memory.record(memory.roofline_estimate(cfg),
-                                       usable.usable_bytes)
     store.data["roofline"] = document
     store.save()
     document["meta"] = meta

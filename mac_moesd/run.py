@@ -154,9 +154,8 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
             budget = usable()
             roofline.validate(plan.roofline, budget)
             memory.start_stage()
-            document = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance)
-            document["memory"] = memory.record(
-                memory.roofline_estimate(plan.roofline), budget)
+            document = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance,
+                                             usable_bytes=budget)
             data["roofline"] = document
             store.save()
 
