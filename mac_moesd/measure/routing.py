@@ -2,8 +2,9 @@
 
 Every MoE block in mlx-lm's MoE architectures (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v2,
 gpt_oss, ...) hands its chosen top-k indices to one switch module (``SwitchGLU``/``SwitchMLP``)
-as ``switch(x, indices)``. Capture swaps each such module's class for a subclass that records the
-indices and then runs the original call, so the model's output is bit-identical.
+as ``switch(x, indices)``. ``controlled_switches`` swaps each such module's class for a subclass
+that hands the indices to a ``SwitchControl`` first: capture records them (the model's output stays
+bit-identical), and the sweep's routing control replaces them (``routing_control.py``).
 """
 
 from __future__ import annotations
@@ -26,22 +27,49 @@ from mac_moesd.machine import memory
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 
-__all__ = ["analyse_windows", "capture_routing", "count_windows", "fit_correlation", "reanalyse",
-           "routing_document", "token_source"]
+__all__ = ["SwitchControl", "analyse_windows", "capture_routing", "controlled_switches", "count_windows",
+           "fit_correlation", "reanalyse", "routing_document", "token_source"]
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
-_recording_classes: dict[type, type] = {}
+_controlled_classes: dict[tuple[type, bool], type] = {}
 
 
-def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` whose call appends the indices to ``self._routing_sink``."""
-    if cls not in _recording_classes:
+class SwitchControl:
+    """What one controlled switch module does with the top-k indices its router chose: replace
+    them with ``forced`` when set (the router has run all the same), then append what the experts
+    will receive to ``sink`` when set."""
+
+    def __init__(self) -> None:
+        self.forced: mx.array | None = None
+        self.sink: list[mx.array] | None = None
+
+    def __call__(self, indices: mx.array) -> mx.array:
+        if self.forced is not None:
+            if self.forced.shape != indices.shape:
+                raise MacMoesdError(f"forced expert indices of shape {self.forced.shape} where the "
+                                    f"router chose {indices.shape}")
+            indices = self.forced
+        if self.sink is not None:
+            self.sink.append(indices)
+        return indices
+
+
+def _controlled_class(cls: type, always_sort: bool) -> type:
+    """A subclass of ``cls`` whose call passes the indices through ``self._switch_control``, then
+    runs the original call, or mlx-lm's sorted path at every size with ``always_sort``."""
+    key = (cls, always_sort)
+    if key not in _controlled_classes:
+        from mac_moesd.measure.gather import sorted_switch_call
+
         def __call__(self, x, indices, *args, **kwargs):
-            self._routing_sink.append(indices)
+            indices = self._switch_control(indices)
+            if always_sort:
+                return sorted_switch_call(self, x, indices)
             return cls.__call__(self, x, indices, *args, **kwargs)
 
-        _recording_classes[cls] = type(f"Recording{cls.__name__}", (cls,), {"__call__": __call__})
-    return _recording_classes[cls]
+        prefix = "SortedControlled" if always_sort else "Controlled"
+        _controlled_classes[key] = type(f"{prefix}{cls.__name__}", (cls,), {"__call__": __call__})
+    return _controlled_classes[key]
 
 
 def switch_modules(model: nn.Module) -> list[nn.Module]:
@@ -55,23 +83,47 @@ def switch_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def capture_routing(model: nn.Module):
-    """Within the block, each forward appends one (tokens..., k) index array per MoE layer to the
-    yielded list of lists (one inner list per layer)."""
+def controlled_switches(model: nn.Module, always_sort: bool = False):
+    """Within the block every MoE layer's switch consults its ``SwitchControl`` (yielded, one per
+    layer in order). Re-entrant: inside another such block the outer controls are yielded."""
     switches = switch_modules(model)
     if not switches:
         raise MacMoesdError("this model has no MoE layers (no SwitchGLU/SwitchMLP modules)")
-    sinks: list[list[mx.array]] = [[] for _ in switches]
+    if all(hasattr(m, "_switch_control") for m in switches):
+        yield [m._switch_control for m in switches]
+        return
+    if always_sort:
+        from mac_moesd.measure.gather import check_sortable
+
+        for module in switches:
+            check_sortable(module)
     originals = [m.__class__ for m in switches]
+    controls = [SwitchControl() for _ in switches]
     try:
-        for module, sink in zip(switches, sinks):
-            module._routing_sink = sink
-            module.__class__ = _recording_class(module.__class__)
-        yield sinks
+        for module, control in zip(switches, controls):
+            module._switch_control = control  # a plain object: an attribute, not a child module
+            module.__class__ = _controlled_class(module.__class__, always_sort)
+        yield controls
     finally:
         for module, cls in zip(switches, originals):
             module.__class__ = cls
-            del module._routing_sink
+            del module._switch_control
+
+
+@contextlib.contextmanager
+def capture_routing(model: nn.Module):
+    """Within the block, each forward appends one (tokens..., k) index array per MoE layer to the
+    yielded list of lists (one inner list per layer): what the experts received, so forced
+    indices when a routing control is active around it."""
+    with controlled_switches(model) as controls:
+        sinks: list[list[mx.array]] = [[] for _ in controls]
+        try:
+            for control, sink in zip(controls, sinks):
+                control.sink = sink
+            yield sinks
+        finally:
+            for control in controls:
+                control.sink = None
 
 
 # ---- token sources ----

@@ -1,0 +1,225 @@
+"""Routing control for the sweep: which experts every MoE layer runs during the timed forwards.
+
+`sweep --routing` takes one of
+- ``model``: the model's own router (nothing replaced; the experts it chose are counted);
+- ``uniform``: each token picks K of E experts uniformly without replacement, independently of
+  every other token: MoESD's assumption, under which B*t tokens activate N(B*t) experts;
+- ``correlated:C``: each sequence's consecutive tokens reuse experts so that t of them activate
+  N(1 + C*(t-1)) in expectation (DESIGN.md section 1's anchored form), sequences independent;
+- ``trace:FILE``: the choices a real model made on real text (``routing --save-trace``).
+
+The router's gate still runs (its cost stays in T_T); only the indices the experts receive are
+replaced, through ``routing.controlled_switches``. Indices are generated per grid point before
+any timing, as MLX arrays, from a seed and the point alone, so a resumed sweep replays the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mac_moesd.errors import BadInput
+from mac_moesd.measure import routing
+from mac_moesd.measure.gather import GATHERS
+from mac_moesd.measure.routing_trace import Trace, load_trace
+
+__all__ = ["RoutingMode", "SweepRouting", "correlated_indices", "parse_routing", "trace_window",
+           "uniform_indices"]
+
+KINDS = ("model", "uniform", "correlated", "trace")
+HELP = "model, uniform, correlated:C (C in [0, 1]) or trace:FILE"
+
+
+@dataclass(frozen=True)
+class RoutingMode:
+    kind: str
+    correlation: float | None = None
+    trace: Trace | None = None
+    trace_path: Path | None = None
+
+    @property
+    def label(self) -> str:
+        """As the sweep document records it: model, uniform, correlated:C or trace:FILE."""
+        if self.kind == "correlated":
+            return f"correlated:{self.correlation:g}"
+        if self.kind == "trace":
+            return f"trace:{self.trace_path}"
+        return self.kind
+
+    @property
+    def key(self) -> str:
+        """As a results key names it: a trace by file name and content digest."""
+        if self.kind == "trace":
+            return f"trace:{self.trace_path.name}@{self.trace.digest}"
+        return self.label
+
+    @property
+    def forced(self) -> bool:
+        return self.kind != "model"
+
+
+def parse_routing(spec: str) -> RoutingMode:
+    """A --routing value as a mode; BadInput with the accepted forms otherwise."""
+    kind, _, arg = spec.partition(":")
+    if kind in ("model", "uniform") and not arg:
+        return RoutingMode(kind)
+    if kind == "correlated":
+        try:
+            c = float(arg)
+        except ValueError:
+            c = -1.0
+        if not 0.0 <= c <= 1.0:
+            raise BadInput(f"--routing correlated:C needs C in [0, 1], got {arg!r}")
+        return RoutingMode(kind, correlation=c)
+    if kind == "trace" and arg:
+        path = Path(arg).expanduser().resolve()
+        return RoutingMode(kind, trace=load_trace(path), trace_path=path)
+    raise BadInput(f"--routing must be {HELP}, got {spec!r}")
+
+
+def check_against_model(mode: RoutingMode, gather: str, shape: tuple[int, int] | None, name: str,
+                        batches: tuple[int, ...], tokens: tuple[int, ...]) -> None:
+    """Refuse, before anything is allocated, a routing or gather the model cannot run."""
+    if gather not in GATHERS:
+        raise BadInput(f"--gather must be one of {', '.join(GATHERS)}, got {gather!r}")
+    if shape is None:
+        if mode.forced or gather != "mlx-lm":
+            raise BadInput(f"--routing {mode.label} / --gather {gather} need an MoE model; {name} is dense")
+        return
+    trace = mode.trace
+    if trace is None:
+        return
+    if (trace.experts, trace.top_k) != shape:
+        raise BadInput(f"trace {mode.trace_path.name} has E={trace.experts}, K={trace.top_k} "
+                       f"({trace.model}); {name} has E={shape[0]}, K={shape[1]}")
+    if max(batches) > trace.sequences or max(tokens) > trace.length:
+        raise BadInput(f"trace {mode.trace_path.name} holds {trace.sequences} sequences of "
+                       f"{trace.length} tokens; this grid needs {max(batches)} of {max(tokens)}")
+
+
+# ---- index generators: (B, t, K) arrays of distinct expert ids per token ----
+
+
+def uniform_indices(rng: np.random.Generator, batch: int, tokens: int, experts: int,
+                    top_k: int) -> np.ndarray:
+    """Each token: K of E experts uniformly without replacement, all tokens independent."""
+    keys = rng.random((batch * tokens, experts))
+    return np.argsort(keys, axis=1)[:, :top_k].reshape(batch, tokens, top_k)
+
+
+def correlated_indices(rng: np.random.Generator, batch: int, tokens: int, experts: int,
+                       top_k: int, correlation: float) -> np.ndarray:
+    """B independent sequences whose t consecutive tokens activate N(1 + c*(t-1)) in expectation.
+
+    The first token is uniform. Each later token takes m experts its sequence has not used yet
+    and reuses K - m of the previous token's. With U used so far, N_c's step is
+    N_c(t) - N_c(t-1) = (E - N_c(t-1)) * (1 - (1-rho)^c), linear in what is unused, so drawing
+    m ~ Binomial(M, mu/M) with mu = (E - U)(1 - (1-rho)^c) and M = min(K, E - U) (mu <= M for
+    c <= 1) makes E[U_t] follow N_c(t) exactly. c = 1 gives uniform counts; c = 0 repeats
+    the first token's experts.
+    """
+    out = np.empty((batch, tokens, top_k), dtype=np.int64)
+    stay = (1.0 - top_k / experts) ** correlation
+    for b in range(batch):
+        used = np.zeros(experts, dtype=bool)
+        previous = rng.choice(experts, top_k, replace=False)
+        used[previous] = True
+        out[b, 0] = previous
+        for t in range(1, tokens):
+            unused = np.flatnonzero(~used)
+            most = min(top_k, unused.size)
+            mean = unused.size * (1.0 - stay)
+            fresh = rng.binomial(most, min(1.0, mean / most)) if most else 0
+            chosen = np.concatenate([rng.choice(unused, fresh, replace=False),
+                                     rng.choice(previous, top_k - fresh, replace=False)])
+            used[chosen] = True
+            out[b, t] = previous = chosen
+    return out
+
+
+def trace_window(trace: Trace, layer: int, batch: int, tokens: int) -> np.ndarray:
+    """The replayed (B, t, K) window of MoE layer ``layer``: the last t tokens (routed with the
+    most context, as a verify window would be) of the trace's first B sequences; a model deeper
+    than the trace cycles through the trace's layers."""
+    return trace.indices[layer % trace.layers, :batch, trace.length - tokens:, :].astype(np.int64)
+
+
+def unique_per_layer(per_layer: list[np.ndarray]) -> float:
+    """Mean over MoE layers of the distinct experts one forward's indices hold."""
+    return float(np.mean([np.unique(layer).size for layer in per_layer]))
+
+
+# ---- during the sweep ----
+
+
+class SweepRouting:
+    """Routing and gather of one model's sweep: ``installed`` around the grid, ``prepare`` each
+    point before it is timed (untimed), then ``run`` its forward with the prepared indices."""
+
+    def __init__(self, model: nn.Module, mode: RoutingMode, gather: str, experts: int, top_k: int,
+                 seed: int = 0):
+        self.model, self.mode, self.gather = model, mode, gather
+        self.experts, self.top_k, self.seed = experts, top_k, seed
+        self.controls: list[routing.SwitchControl] | None = None
+        self.prepared: dict[tuple[int, int], list[mx.array] | None] = {}
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Control the switches while the grid runs; with the model's routing and mlx-lm's gather
+        nothing is installed, so those timings carry no extra call per layer."""
+        if not self.mode.forced and self.gather == "mlx-lm":
+            yield self
+            return
+        with routing.controlled_switches(self.model, always_sort=self.gather == "sorted") as controls:
+            self.controls = controls
+            try:
+                yield self
+            finally:
+                self.controls = None
+
+    def generate(self, batch: int, tokens: int, layers: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, batch, tokens])
+        if self.mode.kind == "uniform":
+            return [uniform_indices(rng, batch, tokens, self.experts, self.top_k) for _ in range(layers)]
+        if self.mode.kind == "correlated":
+            return [correlated_indices(rng, batch, tokens, self.experts, self.top_k, self.mode.correlation)
+                    for _ in range(layers)]
+        return [trace_window(self.mode.trace, layer, batch, tokens) for layer in range(layers)]
+
+    def prepare(self, batch: int, tokens: int, forward: Callable[[], object],
+                rollback: Callable[[], None]) -> dict:
+        """One untimed forward records what the router chooses (shape and dtype of its indices);
+        forced modes then generate theirs. Returns the point's ``unique_experts`` (mean per MoE
+        layer) and ``pairs`` (B*t*K per layer), as the timed forwards will run them."""
+        with routing.capture_routing(self.model) as sinks:
+            mx.eval(forward())
+        rollback()
+        chosen = [sink[0] for sink in sinks]
+        if self.mode.forced:
+            counted = self.generate(batch, tokens, len(chosen))
+            forced = [mx.array(g.reshape(c.shape), dtype=c.dtype) for g, c in zip(counted, chosen)]
+            mx.eval(forced)
+        else:
+            counted, forced = [np.array(c) for c in chosen], None
+        self.prepared[(batch, tokens)] = forced
+        return {"unique_experts": unique_per_layer(counted), "pairs": int(counted[0].size)}
+
+    def run(self, batch: int, tokens: int, forward: Callable[[], object]):
+        """The point's forward with its prepared indices in every MoE layer (the graph is built
+        inside, so the controls can be cleared before it is evaluated)."""
+        forced = self.prepared[(batch, tokens)]
+        if forced is None:
+            return forward()
+        for control, indices in zip(self.controls, forced):
+            control.forced = indices
+        try:
+            return forward()
+        finally:
+            for control in self.controls:
+                control.forced = None
