@@ -241,12 +241,20 @@ def open_store(out: Path | None, per_chip: bool = False):
 @click.option("--draft", default=None, help="Drafter model: also time its one-token step T_D(B,1).")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True,
               help="Draft length for the rejection-sampling step T_rej(B).")
+@click.option("--routing", default="model", show_default=True, metavar="MODE",
+              help="Experts every MoE layer runs in the timed forwards: model (its own router), "
+                   "uniform (K of E per token, i.i.d.: MoESD's assumption), correlated:C (t "
+                   "consecutive tokens of a sequence activate N(1+C(t-1)) in expectation) or "
+                   "trace:FILE (replay `mac-moesd routing --save-trace FILE`). The router still runs.")
+@click.option("--gather", type=click.Choice(["mlx-lm", "sorted"]), default="mlx-lm", show_default=True,
+              help="Expert gather: as mlx-lm runs it (pairs sorted by expert only from 64 indices), "
+                   "or sorted at every size (the what-if of reading each unique expert once).")
 @with_options(budget_options)
 @memory_limit_option
 @out_option()
 @json_option
-def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, quick,
-                  seconds_per_point, memory_limit, out, as_json) -> None:
+def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, routing, gather,
+                  quick, seconds_per_point, memory_limit, out, as_json) -> None:
     """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
 
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
@@ -257,7 +265,8 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
-                      gamma=gamma, budget=budget_from(quick, seconds_per_point))
+                      gamma=gamma, budget=budget_from(quick, seconds_per_point), routing=routing,
+                      gather=gather)
     validate(cfg)
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
@@ -334,16 +343,20 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Route only the first N layers.")
 @click.option("--tau", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.95,
               show_default=True, help="Saturation level.")
+@click.option("--save-trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="FILE", help="Also write every MoE layer's top-k choices (a .npz, see "
+                                   "mac_moesd/measure/routing_trace.py) for `sweep --routing trace:FILE`.")
 @memory_limit_option
 @out_option()
 @json_option
-def routing_command(model, text, batches, tokens, length, layers, tau, memory_limit, out, as_json) -> None:
+def routing_command(model, text, batches, tokens, length, layers, tau, save_trace, memory_limit, out,
+                    as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
     from mac_moesd.machine import hardware
     from mac_moesd.measure.routing import RoutingConfig, run_routing
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
-                        layers=layers, tau=tau)
+                        layers=layers, tau=tau, save_trace=save_trace)
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
     with hardware.measuring_stage():

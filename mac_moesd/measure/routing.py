@@ -26,6 +26,7 @@ from scipy.optimize import least_squares
 from mac_moesd.machine import memory
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.measure import routing_trace
 
 __all__ = ["SwitchControl", "analyse_windows", "capture_routing", "controlled_switches", "count_windows",
            "fit_correlation", "reanalyse", "routing_document", "token_source"]
@@ -323,6 +324,7 @@ class RoutingConfig:
     bits: int | None = None
     tau: float = 0.95
     seed: int = 0
+    save_trace: Path | None = None  # also write the routed indices there (routing_trace.py)
 
 
 def load_text(spec: str | None) -> tuple[str | None, str]:
@@ -342,6 +344,8 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
 
     if min(cfg.batches) < 1 or min(cfg.tokens) < 1 or cfg.length < max(cfg.tokens):
         raise BadInput("--batch and --tokens must be >= 1 and --length >= the largest --tokens")
+    if cfg.save_trace is not None:
+        routing_trace.check_writable(cfg.save_trace)
     source = models.resolve(cfg.model)
     shape = zoo_shape(source.config)
     text, where = load_text(cfg.text)
@@ -368,6 +372,9 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     rows = [ids[i * stride : i * stride + cfg.length] for i in range(sequences)]
     indices = routed_indices(built.model, mx.array(rows))
     document = routing_document(indices, *shape, cfg.batches, cfg.tokens, cfg.tau)
+    if cfg.save_trace is not None:
+        routing_trace.save_trace(cfg.save_trace, indices, *shape, source.name, where, how)
+        document["trace"] = str(cfg.save_trace)
     document.update({
         "model": source.name,
         "text": where,

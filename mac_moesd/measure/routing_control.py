@@ -89,8 +89,9 @@ def check_against_model(mode: RoutingMode, gather: str, shape: tuple[int, int] |
     if gather not in GATHERS:
         raise BadInput(f"--gather must be one of {', '.join(GATHERS)}, got {gather!r}")
     if shape is None:
-        if mode.forced or gather != "mlx-lm":
-            raise BadInput(f"--routing {mode.label} / --gather {gather} need an MoE model; {name} is dense")
+        asked = [f"--routing {mode.label}"] * mode.forced + [f"--gather {gather}"] * (gather != "mlx-lm")
+        if asked:
+            raise BadInput(f"{' and '.join(asked)} need an MoE model; {name} is dense")
         return
     trace = mode.trace
     if trace is None:
@@ -168,6 +169,7 @@ class SweepRouting:
         self.experts, self.top_k, self.seed = experts, top_k, seed
         self.controls: list[routing.SwitchControl] | None = None
         self.prepared: dict[tuple[int, int], list[mx.array] | None] = {}
+        self.stats: dict[tuple[int, int], dict] = {}  # (B, t): what prepare counted
 
     @contextlib.contextmanager
     def installed(self):
@@ -196,7 +198,10 @@ class SweepRouting:
                 rollback: Callable[[], None]) -> dict:
         """One untimed forward records what the router chooses (shape and dtype of its indices);
         forced modes then generate theirs. Returns the point's ``unique_experts`` (mean per MoE
-        layer) and ``pairs`` (B*t*K per layer), as the timed forwards will run them."""
+        layer) and ``pairs`` (B*t*K per layer), as the timed forwards will run them. A point
+        prepared before (its synchronous and pipelined timings share it) is not prepared again."""
+        if (batch, tokens) in self.stats:
+            return self.stats[(batch, tokens)]
         with routing.capture_routing(self.model) as sinks:
             mx.eval(forward())
         rollback()
@@ -208,7 +213,9 @@ class SweepRouting:
         else:
             counted, forced = [np.array(c) for c in chosen], None
         self.prepared[(batch, tokens)] = forced
-        return {"unique_experts": unique_per_layer(counted), "pairs": int(counted[0].size)}
+        self.stats[(batch, tokens)] = {"unique_experts": unique_per_layer(counted),
+                                       "pairs": int(counted[0].size)}
+        return self.stats[(batch, tokens)]
 
     def run(self, batch: int, tokens: int, forward: Callable[[], object]):
         """The point's forward with its prepared indices in every MoE layer (the graph is built

@@ -7,10 +7,13 @@ synchronously (one forward, graph construction included: what a verify forward t
 back costs) and pipelined (a chain of forwards, each built while the previous one runs under
 ``mx.async_eval``, as mlx-lm's generation loops do: what a decode step costs there). Also the drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B).
 Models too big for memory are measured on slices of N and 2N layers and extrapolated to full depth.
+On MoE models every point also records the unique experts and token-expert pairs its forwards
+ran, under the model's own routing or a forced one (``routing_control.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import time
@@ -21,8 +24,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mac_moesd.machine import memory
-from mac_moesd.inputs import models
-from mac_moesd.measure import timing
+from mac_moesd.inputs import models, zoo
+from mac_moesd.measure import routing, timing
+from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
 from mac_moesd.measure.sampling import rejection_sample
@@ -56,6 +60,8 @@ class SweepConfig:
     gamma: int = 4  # draft length whose rejection step T_rej(B) is timed
     budget: timing.Budget = field(default_factory=timing.Budget)
     seed: int = 0
+    routing: str = "model"  # model, uniform, correlated:C or trace:FILE (routing_control.py)
+    gather: str = "mlx-lm"  # mlx-lm, or sorted: mlx-lm's sorted expert path at every size
 
     def __post_init__(self):
         for name, values in (("batch", self.batches), ("tokens", self.tokens)):
@@ -166,22 +172,36 @@ class RolledBackCache:
         return [c.state for c in self.cache]
 
 
-def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int) -> timing.Point:
+def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
+                  control: SweepRouting | None = None) -> timing.Point:
+    """One grid point; with ``control`` its routing is prepared here, before any timing."""
     inputs = mx.random.randint(0, vocab, (batch, tokens))
     mx.eval(inputs)
 
     def run():
         return model(inputs, cache=cache.cache), cache.state()
 
-    return timing.Point(run=run, reset=lambda: cache.rollback(tokens))
+    if control is None:
+        return timing.Point(run=run, reset=lambda: cache.rollback(tokens))
+    control.prepare(batch, tokens, run, lambda: cache.rollback(tokens))
+    return timing.Point(run=lambda: control.run(batch, tokens, run), reset=lambda: cache.rollback(tokens))
+
+
+def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
+    """The routing control of an MoE model's grid; None where there is no switch to count."""
+    if not built.footprint.experts or not routing.switch_modules(built.model):
+        return None
+    return SweepRouting(built.model, parse_routing(cfg.routing), cfg.gather, built.footprint.experts,
+                        built.footprint.top_k, cfg.seed)
 
 
 def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
-                    steps: int = PIPELINED_STEPS) -> timing.Point:
+                    control: SweepRouting | None = None, steps: int = PIPELINED_STEPS) -> timing.Point:
     """``steps`` forwards of B x t tokens, each fed the previous one's argmax (a real data
     dependency, as in decoding), each next graph built and queued with ``mx.async_eval`` before
     waiting on the current one: the loop of mlx-lm's ``generate_step``. One sample covers all
-    ``steps``; ``timing.per_launch`` turns it into seconds per forward."""
+    ``steps``; ``timing.per_launch`` turns it into seconds per forward. With ``control`` every
+    forward of the chain runs the point's prepared routing."""
     inputs = mx.random.randint(0, vocab, (batch, tokens))
     mx.eval(inputs)
 
@@ -195,7 +215,11 @@ def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, voca
             current = following
         return current, cache.state()
 
-    return timing.Point(run=run, reset=lambda: cache.rollback(steps * tokens))
+    if control is None:
+        return timing.Point(run=run, reset=lambda: cache.rollback(steps * tokens))
+    control.prepare(batch, tokens, lambda: (model(inputs, cache=cache.cache), cache.state()),
+                    lambda: cache.rollback(tokens))
+    return timing.Point(run=lambda: control.run(batch, tokens, run), reset=lambda: cache.rollback(steps * tokens))
 
 
 def reject_point(batch: int, gamma: int, vocab: int) -> timing.Point:
@@ -210,18 +234,27 @@ def point_key(batch: int, tokens: int) -> str:
     return f"{batch}x{tokens}"
 
 
-def entry_header(built: models.Built, context: int) -> dict:
+def entry_header(built: models.Built, context: int, routing_label: str = "model",
+                 gather: str = "mlx-lm") -> dict:
     """What a results entry records about the model it measured."""
     return {
         "model": built.source.name, "dtype": built.dtype, "bits": built.bits, "context": context,
         "layers": built.layers, "layers_full": built.layers_full,
         "vocab": built.config["vocab_size"], "footprint": built.footprint.to_dict(),
+        "routing": routing_label, "gather": gather,
     }
 
 
-def entry_key(built: models.Built, context: int) -> str:
+def entry_key(built: models.Built, context: int, routing_key: str = "model", gather: str = "mlx-lm") -> str:
+    """Sweeps under a forced routing or gather get keys of their own (the defaults keep the
+    keys of earlier files, which resume as before)."""
     bits = f"q{built.bits}" if built.bits else built.dtype
-    return f"{built.source.name}|{bits}|L{context}|layers{built.layers}"
+    key = f"{built.source.name}|{bits}|L{context}|layers{built.layers}"
+    if routing_key != "model":
+        key += f"|routing={routing_key}"
+    if gather != "mlx-lm":
+        key += f"|gather={gather}"
+    return key
 
 
 def measure_grid(
@@ -237,7 +270,13 @@ def measure_grid(
     """Measure the missing (B, t) points of ``entry``, synchronous (``entry["points"]``) and
     pipelined (``entry["pipelined_points"]``), and with ``check_drift`` the drift check, all on one
     prefill: the largest batch's cache, and copies of its rows for the smaller batches. True if
-    anything ran."""
+    anything ran. MoE models run under ``cfg.routing`` and ``cfg.gather`` throughout."""
+    control = routing_for(built, cfg)
+    with control.installed() if control else contextlib.nullcontext():
+        return _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, control)
+
+
+def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, control) -> bool:
     vocab = built.config["vocab_size"]
     big = max(cfg.batches)
     parent = None
@@ -259,14 +298,14 @@ def measure_grid(
         if not todo:
             continue
         cache = cache_for(batch)
-        points = {(kind, t): kinds[kind](built.model, cache, batch, t, vocab) for kind, t in todo}
+        points = {(kind, t): kinds[kind](built.model, cache, batch, t, vocab, control) for kind, t in todo}
 
         def done(key, m, batch=batch):
             kind, t = key
             if kind == "pipelined_points":
                 m = {**timing.per_launch(m, PIPELINED_STEPS).to_dict(), "steps": PIPELINED_STEPS}
             else:
-                m = m.to_dict()
+                m = {**m.to_dict(), **(control.stats[(batch, t)] if control else {})}
             entry[kind][point_key(batch, t)] = m
             save()
             if all(point_key(batch, t) in entry[k] for k in kinds):
@@ -276,19 +315,19 @@ def measure_grid(
         del cache, points
     ran = parent is not None
     if check_drift and (ran or "drift" not in entry):
-        entry["drift"] = measure_drift(built, cfg, entry, rng, cache_for(cfg.batches[0]))
+        entry["drift"] = measure_drift(built, cfg, entry, rng, cache_for(cfg.batches[0]), control)
         ran = True
     return ran
 
 
 def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
-                  cache: RolledBackCache) -> dict | None:
+                  cache: RolledBackCache, control: SweepRouting | None = None) -> dict | None:
     """Re-measure the first point after the grid; compare with its first measurement."""
     key = point_key(cfg.batches[0], cfg.tokens[0])
     if key not in entry["points"]:
         return None
     vocab = built.config["vocab_size"]
-    point = forward_point(built.model, cache, cfg.batches[0], cfg.tokens[0], vocab)
+    point = forward_point(built.model, cache, cfg.batches[0], cfg.tokens[0], vocab, control)
     after = timing.measure({key: point}, cfg.budget, rng)[key]
     before = timing.Measurement.from_dict(entry["points"][key])
     return {"point": key, **timing.drift(before, after).to_dict()}
@@ -315,6 +354,8 @@ def extrapolate(small: dict, large: dict, n: int, full: int) -> dict:
             "repeats": min(s["repeats"], l["repeats"]),
             "extrapolated": True,
         }
+        # Experts per MoE layer do not scale with depth: the deeper slice averages more layers.
+        out[key].update({k: l[k] for k in ("unique_experts", "pairs") if k in l})
     return out
 
 
@@ -330,6 +371,7 @@ def run_sweep(
     """Measure (resuming what ``store`` has) and return the sweep document of DESIGN.md section 3."""
     rng = random.Random(cfg.seed)
     source = validate(cfg)
+    mode = parse_routing(cfg.routing)
     plan = plan_layers(source, cfg, available_bytes)
     grid = len(cfg.batches) * len(cfg.tokens)
     progress.expect(grid * len(plan) + len(cfg.batches) * (2 if cfg.draft else 1))
@@ -338,7 +380,8 @@ def run_sweep(
         memory.start_stage()
         built = models.build(source, cfg.dtype, cfg.bits, layers, seed=cfg.seed)
         footprint_full = footprint_full or models.build(source, cfg.dtype, cfg.bits).footprint
-        entry = store.entry("sweeps", entry_key(built, cfg.context), entry_header(built, cfg.context))
+        entry = store.entry("sweeps", entry_key(built, cfg.context, mode.key, cfg.gather),
+                            entry_header(built, cfg.context, mode.label, cfg.gather))
         need = estimate(built, cfg)
         built.materialise()
         if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, check_drift=True):
@@ -348,6 +391,7 @@ def run_sweep(
         del built
         memory.release()
     document = sweep_document(cfg, source, plan, entries, footprint_full)
+    document.update(routing=mode.label, gather=cfg.gather)
     if cfg.draft:
         document["draft"] = measure_draft(cfg, store, available_bytes, progress, rng)
     document["reject"] = measure_reject(cfg, source, store, progress, rng, available_bytes)
@@ -363,6 +407,8 @@ def validate(cfg: SweepConfig) -> models.ModelSource:
         raise BadInput(f"--layers must be in 1..{full} for {source.name}, got {cfg.layers}")
     if cfg.draft:
         check_context(models.resolve(cfg.draft), cfg)
+    check_against_model(parse_routing(cfg.routing), cfg.gather, zoo.expert_shape(source.config),
+                        source.name, cfg.batches, cfg.tokens)
     return source
 
 
@@ -377,7 +423,9 @@ def check_context(source: models.ModelSource, cfg: SweepConfig) -> None:
 
 def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
     """T_D(B, 1): the drafter's one-token step at every batch size (full depth, never sliced)."""
-    draft_cfg = replace(cfg, model=cfg.draft, tokens=(1,), layers=None, bits=cfg.bits)
+    # The drafter runs as mlx-lm runs it: the what-ifs concern the target.
+    draft_cfg = replace(cfg, model=cfg.draft, tokens=(1,), layers=None, bits=cfg.bits, routing="model",
+                        gather="mlx-lm")
     source = models.resolve(cfg.draft)
     check_context(source, draft_cfg)
     plan = plan_layers(source, draft_cfg, available_bytes)

@@ -148,7 +148,9 @@ def render_sweep(doc: dict) -> str:
         depth += f" (extrapolated from slices of {' and '.join(map(str, doc['layers_measured']))})"
     fmt = f"{doc['bits']}-bit" if doc["bits"] else doc["dtype"]
     lines = [
-        f"{doc['model']}: {fmt}, context {doc['context']}, {depth}",
+        f"{doc['model']}: {fmt}, context {doc['context']}, {depth}"
+        + (f"; routing {doc['routing']}, gather {doc['gather']}"
+           if (doc.get("routing"), doc.get("gather")) not in ((None, None), ("model", "mlx-lm")) else ""),
         "",
         "T_T(B,t) / T_T(B,1)  (the ratio MoESD studies; 1.00 = a free verify window)",
     ]
@@ -178,6 +180,17 @@ def render_sweep(doc: dict) -> str:
             for t in tokens:
                 pipe = (points.get((b, t)) or {}).get("pipelined")
                 cells.append(f"{seconds(pipe['median_s'])} ({pipe['cv']:.0%})" if pipe else "-")
+            rows.append(cells)
+        lines.append(table(["B \\ t", *map(str, tokens)], rows))
+    if any("unique_experts" in p for p in points.values()):
+        lines += ["", f"unique experts per MoE layer as run (token-expert pairs); routing "
+                      f"{doc.get('routing', 'model')}, gather {doc.get('gather', 'mlx-lm')}"]
+        rows = []
+        for b in batches:
+            cells = [str(b)]
+            for t in tokens:
+                p = points.get((b, t))
+                cells.append(f"{p['unique_experts']:.1f} ({p['pairs']})" if p and "unique_experts" in p else "-")
             rows.append(cells)
         lines.append(table(["B \\ t", *map(str, tokens)], rows))
     if doc.get("draft"):
