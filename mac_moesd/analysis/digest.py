@@ -74,6 +74,25 @@ class ModelView:
     def full(self) -> dict:
         return max(self.entries, key=lambda e: e["layers"])
 
+    @property
+    def routing(self) -> str:
+        """Experts the timed forwards ran: model (its own router), uniform, correlated:C, trace:FILE."""
+        return self.full.get("routing", "model")
+
+    @property
+    def gather(self) -> str:
+        """mlx-lm (as mlx-lm runs it) or sorted (mlx-lm's sorted gather at every size)."""
+        return self.full.get("gather", "mlx-lm")
+
+    @property
+    def as_run(self) -> bool:
+        """Measured as generation runs it: the model's own routing, mlx-lm's gather."""
+        return (self.routing, self.gather) == ("model", "mlx-lm")
+
+    def unique_experts(self, batch: int, tokens: int) -> float | None:
+        m = self.points.get((batch, tokens))
+        return None if m is None else m.get("unique_experts")
+
     @cached_property
     def footprint(self) -> dict:
         return scaled_footprint(self.full)
@@ -154,12 +173,29 @@ class Digest:
         return self.data.get("roofline")
 
     @cached_property
-    def models(self) -> list[ModelView]:
-        groups: dict[tuple, list[dict]] = {}
+    def _views(self) -> dict[tuple, list[ModelView]]:
+        """Sweeps of one model (name, dtype, bits, context), as-run first, then its what-ifs
+        (forced routing, sorted gather) in the order they were measured."""
+        groups: dict[tuple, dict[tuple, list[dict]]] = {}
         for entry in self.data.get("sweeps", {}).values():
-            key = (entry["model"], entry["dtype"], entry["bits"], entry["context"])
-            groups.setdefault(key, []).append(entry)
-        return [ModelView(key[0], entries) for key, entries in groups.items()]
+            model = (entry["model"], entry["dtype"], entry["bits"], entry["context"])
+            how = (entry.get("routing", "model"), entry.get("gather", "mlx-lm"))
+            groups.setdefault(model, {}).setdefault(how, []).append(entry)
+        return {model: sorted((ModelView(model[0], entries) for entries in by_how.values()),
+                              key=lambda v: not v.as_run)
+                for model, by_how in groups.items()}
+
+    @property
+    def models(self) -> list[ModelView]:
+        """One view per swept model: as generation runs it when measured, else its first what-if."""
+        return [views[0] for views in self._views.values()]
+
+    def what_ifs(self, view: ModelView) -> list[ModelView]:
+        """The other sweeps of ``view``'s model: forced routings and the sorted gather."""
+        for views in self._views.values():
+            if views[0] is view:
+                return views[1:]
+        return []
 
     def model(self, name: str) -> ModelView | None:
         return next((m for m in self.models if m.name == name), None)

@@ -178,7 +178,32 @@ def speedup(d: Digest, folder: Path, alpha: float = 0.7) -> Path | None:
         return _save(fig, folder, "speedup")
 
 
-ALL = (roofline, ratio, efficiency, routing, fit_scatter, speedup)
+def what_if(d: Digest, folder: Path) -> Path | None:
+    """T_T(B,t) against t under each measured routing and gather, for models swept more than one
+    way: one panel per model at its smallest and largest batch."""
+    groups = [[m, *d.what_ifs(m)] for m in d.models if d.what_ifs(m)]
+    if not groups:
+        return None
+    panels = [(views, b) for views in groups for b in sorted({min(views[0].batches), max(views[0].batches)})]
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+        for ax, (views, b) in zip(axes[0], panels):
+            colours = {}
+            for v in views:
+                colour = colours.setdefault(v.routing, f"C{len(colours)}")
+                ts = [t for t in v.tokens if v.median(b, t) is not None]
+                if ts:
+                    ax.plot(ts, [v.median(b, t) * 1e3 for t in ts], marker="o", color=colour,
+                            ls="--" if v.gather == "sorted" else "-", label=f"{v.routing}, {v.gather}")
+            ax.set_title(f"{views[0].name}, B={b}", fontsize=9)
+            ax.set_xlabel("new tokens t")
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("T_T(B,t) (ms)")
+        fig.suptitle("Forward time under forced routing (colour) and gather (dashed: sorted)", fontsize=10)
+        return _save(fig, folder, "what_if")
+
+
+ALL = (roofline, ratio, efficiency, routing, what_if, fit_scatter, speedup)
 
 
 def draw_all(d: Digest, folder: Path) -> dict[str, Path]:

@@ -174,6 +174,65 @@ def _routing(d: Digest, figures) -> list:
     return blocks + _figure(figures, "routing", "Unique experts per layer, measured against uniform N(t).")
 
 
+def _how(view) -> str:
+    return f"routing {view.routing}, gather {view.gather}"
+
+
+def _gather_gains(views: list, window: int) -> list[str]:
+    """For each routing measured with both gathers: what sorting every gather does to a verify window."""
+    lines = []
+    for plain in (v for v in views if v.gather == "mlx-lm"):
+        rival = next((v for v in views if v.gather == "sorted" and v.routing == plain.routing), None)
+        if rival is None:
+            continue
+        for b in plain.batches:
+            ts = [t for t in (window, *reversed(plain.tokens)) if t > 1 and plain.median(b, t)
+                  and rival.median(b, t) and plain.median(b, 1) and rival.median(b, 1)]
+            if not ts:
+                continue
+            t = ts[0]
+            a, s = plain.median(b, t), rival.median(b, t)
+            lines.append(f"routing {plain.routing}, B={b}: a {t}-token forward costs "
+                         f"{a / plain.median(b, 1):.2f}x a one-token step with mlx-lm's gather and "
+                         f"{s / rival.median(b, 1):.2f}x with every gather sorted ({seconds(a)} against "
+                         f"{seconds(s)}: sorted is {a / s:.2f}x as fast)")
+    return lines
+
+
+def _what_ifs(d: Digest, figures) -> list:
+    groups = [(m, d.what_ifs(m)) for m in d.models if d.what_ifs(m)]
+    if not groups:
+        return []
+    blocks = [("h2", "What-ifs: forced routing and sorted gather"),
+              ("p", "The same model swept with its experts chosen otherwise (`sweep --routing`: uniform, "
+                    "MoESD's assumption; correlated:C, t consecutive tokens activating N(1 + C(t-1)); a "
+                    "replayed trace of a real model; the router itself still runs) or with mlx-lm's sorted "
+                    "expert gather forced at every size (`sweep --gather sorted`; mlx-lm sorts only from 64 "
+                    "indices). Unique experts per MoE layer as the forwards ran them are in brackets.")]
+    if d.meta.get("backend", "metal") != "metal":
+        blocks.append(("note", "On MLX's CPU backend gather_mm reads an expert once per (token, expert) "
+                       "pair whether or not the pairs are sorted, so the sorted gather gains little here; on "
+                       "Metal the sorted kernel reads each unique expert once."))
+    for primary, others in groups:
+        views = [primary, *others]
+        tokens = sorted({t for v in views for t in v.tokens})
+        rows = []
+        for v in views:
+            for b in v.batches:
+                cells = []
+                for t in tokens:
+                    m, u = v.median(b, t), v.unique_experts(b, t)
+                    cells.append("-" if m is None else seconds(m) + ("" if u is None else f" [{u:.1f}]"))
+                rows.append([v.routing, v.gather, str(b), *cells])
+        blocks.append(("h3", f"{primary.name} ({primary.weight_format}, context {primary.full['context']})"))
+        blocks.append(("table", ["routing", "gather", "B", *[f"T_T(B,{t})" for t in tokens]], rows))
+        gains = _gather_gains(views, VERIFY_WINDOW)
+        if gains:
+            blocks.append(("p", "If every expert were gathered once per unique expert: " + "; ".join(gains) + "."))
+    return blocks + _figure(figures, "what_if", "T_T(B,t) under each measured routing (colour) and gather "
+                            "(solid: mlx-lm's, dashed: sorted at every size).")
+
+
 def _fit(d: Digest, figures) -> list:
     if not d.fits and not d.stale_fits:
         return []
@@ -344,7 +403,7 @@ def _figure(figures: dict, name: str, caption: str) -> list:
 def build_blocks(data: dict, figures: dict[str, Path]) -> list:
     d = Digest(data)
     return (_title(d) + _verdict(d) + _questions(d) + _roofline(d, figures) + _shape(d, figures)
-            + _routing(d, figures) + _fit(d, figures) + _spec(d) + _method(d))
+            + _routing(d, figures) + _what_ifs(d, figures) + _fit(d, figures) + _spec(d) + _method(d))
 
 
 # ---- renderings ----
@@ -411,12 +470,17 @@ def to_html(blocks: list, figures: dict[str, Path]) -> str:
 
 
 def sweep_csv(data: dict) -> str:
-    lines = ["model,dtype,bits,context,layers,layers_full,batch,tokens,median_s,iqr_s,cv,repeats"]
+    lines = ["model,dtype,bits,context,layers,layers_full,batch,tokens,median_s,iqr_s,cv,repeats,"
+             "routing,gather,unique_experts,pairs"]
     for e in data.get("sweeps", {}).values():
         for key, m in sorted(e["points"].items()):
             b, t = key.split("x")
+            routing = e.get("routing", "model")
+            if "," in routing or '"' in routing:  # a trace path: one CSV field
+                routing = '"' + routing.replace('"', '""') + '"'
             lines.append(f"{e['model']},{e['dtype']},{e['bits'] or ''},{e['context']},{e['layers']},"
-                         f"{e['layers_full']},{b},{t},{m['median_s']!r},{m['iqr_s']!r},{m['cv']!r},{m['repeats']}")
+                         f"{e['layers_full']},{b},{t},{m['median_s']!r},{m['iqr_s']!r},{m['cv']!r},{m['repeats']},"
+                         f"{routing},{e.get('gather', 'mlx-lm')},{m.get('unique_experts', '')},{m.get('pairs', '')}")
     return "\n".join(lines) + "\n"
 
 
