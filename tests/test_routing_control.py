@@ -100,6 +100,28 @@ def test_forced_indices_reach_the_experts_and_the_router_still_runs():
 
 
 @pytest.mark.parametrize("entry", MOE, ids=lambda e: e.name)
+def test_every_moe_architecture_runs_the_forced_indices(entry):
+    built = built_moe(entry)
+    experts, top_k = built.footprint.experts, built.footprint.top_k
+    tokens = mx.random.randint(0, 256, (2, 3))
+    control = routing_control.SweepRouting(built.model, routing_control.parse_routing("uniform"), "mlx-lm",
+                                           experts, top_k)
+
+    def forward():
+        return built.model(tokens)
+
+    with control.installed():
+        stats = control.prepare(2, 3, forward, lambda: None)
+        with routing.capture_routing(built.model) as sinks:
+            mx.eval(control.run(2, 3, forward))
+    expected = control.generate(2, 3, len(sinks))
+    assert len(sinks) == built.footprint.moe_layers
+    for sink, indices in zip(sinks, expected):
+        assert np.array_equal(np.array(sink[0]).reshape(2, 3, top_k), indices)
+    assert stats == {"unique_experts": routing_control.unique_per_layer(expected), "pairs": 2 * 3 * top_k}
+
+
+@pytest.mark.parametrize("entry", MOE, ids=lambda e: e.name)
 def test_sorted_gather_computes_what_mlx_lm_computes(entry):
     built = built_moe(entry)
     tokens = mx.random.randint(0, 256, (2, 3))  # 6 tokens x K: below mlx-lm's sort threshold

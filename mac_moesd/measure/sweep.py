@@ -392,6 +392,10 @@ def run_sweep(
         memory.release()
     document = sweep_document(cfg, source, plan, entries, footprint_full)
     document.update(routing=mode.label, gather=cfg.gather)
+    if mode.trace is not None:
+        t = mode.trace
+        document["routing_trace"] = {"model": t.model, "text": t.text, "digest": t.digest, "layers": t.layers,
+                                     "sequences": t.sequences, "length": t.length}
     if cfg.draft:
         document["draft"] = measure_draft(cfg, store, available_bytes, progress, rng)
     document["reject"] = measure_reject(cfg, source, store, progress, rng, available_bytes)
