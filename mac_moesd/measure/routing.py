@@ -27,6 +27,7 @@ from mac_moesd.machine import memory
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.measure import routing_trace
+from mac_moesd.measure.gather import check_sortable, sorted_switch_call
 
 __all__ = ["SwitchControl", "analyse_windows", "capture_routing", "controlled_switches", "count_windows",
            "fit_correlation", "reanalyse", "routing_document", "token_source"]
@@ -60,8 +61,6 @@ def _controlled_class(cls: type, always_sort: bool) -> type:
     runs the original call, or mlx-lm's sorted path at every size with ``always_sort``."""
     key = (cls, always_sort)
     if key not in _controlled_classes:
-        from mac_moesd.measure.gather import sorted_switch_call
-
         def __call__(self, x, indices, *args, **kwargs):
             indices = self._switch_control(indices)
             if always_sort:
@@ -94,8 +93,6 @@ def controlled_switches(model: nn.Module, always_sort: bool = False):
         yield [m._switch_control for m in switches]
         return
     if always_sort:
-        from mac_moesd.measure.gather import check_sortable
-
         for module in switches:
             check_sortable(module)
     originals = [m.__class__ for m in switches]

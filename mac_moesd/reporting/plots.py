@@ -197,7 +197,7 @@ def what_if(d: Digest, folder: Path) -> Path | None:
                             ls="--" if v.gather == "sorted" else "-", label=f"{v.routing}, {v.gather}")
             ax.set_title(f"{views[0].name}, B={b}", fontsize=9)
             ax.set_xlabel("new tokens t")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, handlelength=3.5)
         axes[0][0].set_ylabel("T_T(B,t) (ms)")
         fig.suptitle("Forward time under forced routing (colour) and gather (dashed: sorted)", fontsize=10)
         return _save(fig, folder, "what_if")
