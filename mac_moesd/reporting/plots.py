@@ -186,7 +186,7 @@ def what_if(d: Digest, folder: Path) -> Path | None:
         return None
     panels = [(views, b) for views in groups for b in sorted({min(views[0].batches), max(views[0].batches)})]
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, 4.2 * len(panels)), 3.8), squeeze=False)
         for ax, (views, b) in zip(axes[0], panels):
             colours = {}
             for v in views:
@@ -199,7 +199,7 @@ def what_if(d: Digest, folder: Path) -> Path | None:
             ax.set_xlabel("new tokens t")
             ax.legend(fontsize=7, handlelength=3.5)
         axes[0][0].set_ylabel("T_T(B,t) (ms)")
-        fig.suptitle("Forward time under forced routing (colour) and gather (dashed: sorted)", fontsize=10)
+        fig.suptitle("Forward time by routing (colour) and gather (dashed: sorted)", fontsize=10)
         return _save(fig, folder, "what_if")
 
 
