@@ -294,3 +294,14 @@ def test_report_compares_the_gathers_when_both_were_measured(what_if_results, tm
                                           if v.get("gather") != "sorted" and v.get("routing") == "model"}}
     plain = report.write_report(only, tmp_path / "plain")["markdown"].read_text()
     assert "What-ifs" not in plain and not (tmp_path / "plain" / "figures" / "what_if.png").exists()
+
+
+def test_fit_of_a_what_if_sweep_alone_says_so():
+    from mac_moesd.analysis import fit
+    from test_fit import synthetic_results
+
+    data = synthetic_results(noise=0.0)
+    next(iter(data["sweeps"].values()))["routing"] = "uniform"
+    inputs = fit.inputs_from_results(data)
+    assert any("only a what-if sweep" in line for line in inputs.missing)
+    assert not any("what-if" in line for line in fit.inputs_from_results(synthetic_results()).missing)

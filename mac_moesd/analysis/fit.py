@@ -258,6 +258,10 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         missing.append("no measured or published bandwidth: bias and k2 are bounded below by 0 only")
     if not target_pipelined:
         missing.append(NO_PIPELINED)
+    if not view.as_run:
+        missing.append(f"only a what-if sweep of {name} was found (routing {view.routing}, gather "
+                       f"{view.gather}): the fit describes that, not generation as mlx-lm runs it; "
+                       "rerun `mac-moesd sweep` without --routing/--gather")
     if full.get("gather") == "sorted":
         threshold, threshold_source = 0, "the sweep forced mlx-lm's sorted gather at every size"
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
