@@ -414,7 +414,8 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
               default="emulated-acceptance", show_default=True,
               help="real: the drafter's own tokens; self-draft: draft = target (all accepted); "
                    "emulated-acceptance: each draft token accepted with probability alpha.")
-@click.option("--context", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--context", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Prompt tokens of random ids (random-weight models; real prompts set their own).")
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens each sequence generates per timed run.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)

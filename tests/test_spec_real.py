@@ -17,6 +17,11 @@ from mac_moesd.measure import spec
 from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
 from mac_moesd.measure.spec_loop import Decoder, common_prompt
 
+# On a GPU, float16 near-ties may flip an argmax between a one-token step and a verify forward:
+# spec reports the mismatch rate there; on the CPU backend SD must reproduce greedy exactly.
+CPU = mx.default_device() == mx.cpu
+exact_on_cpu = pytest.mark.skipif(not CPU, reason="exact equality is checked on the CPU backend")
+
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
@@ -37,6 +42,7 @@ def test_the_pair_is_an_mlx_lm_moe_and_dense_drafter_with_a_chat_template(tiny_p
     assert prompts.load_tokenizer(tiny_pair[0]).has_chat_template
 
 
+@exact_on_cpu
 @pytest.mark.parametrize("batch", [1, 3])
 def test_loop_at_temperature_0_equals_greedy(pair, batch):
     target, draft, ids = pair
@@ -51,6 +57,7 @@ def test_loop_at_temperature_0_equals_greedy(pair, batch):
     np.testing.assert_array_equal(sd.outputs[:, :emitted], plain.outputs[:, :emitted])
 
 
+@exact_on_cpu
 def test_mlx_lm_speculative_equals_its_greedy_decode(pair):
     target, draft, ids = pair
     prompt = mx.array(ids[1])
@@ -104,10 +111,12 @@ def test_spec_real_code_json_measured_beside_predicted(tiny_pair, tmp_path):
         assert run["prompts"] == "code" and run["temperature"] == 0
         assert len(run["acceptance_by_position"]) == 2 and run["sigma"] is not None
         assert run["measured_speedup"] > 0 and run["predicted_speedup"] > 0
-        assert run["greedy_check"]["mismatched"] == 0
+        assert run["greedy_check"]["sequences"] == run["batch"]
+        assert run["greedy_check"]["mismatched"] == 0 or not CPU
     assert [r["engine"] for r in doc["runs"]] == ["mlx-lm", "mac-moesd loop"]
     (accepted,) = doc["acceptance"]
-    assert accepted["prompts_measured"] == 4 and accepted["greedy_check"]["mismatched"] == 0
+    assert accepted["prompts_measured"] == 4 and accepted["greedy_check"]["sequences"] == 4
+    assert accepted["greedy_check"]["mismatched"] == 0 or not CPU
     measured = accepted["measured"]
     assert 0 < measured["alpha"] < 1 and 0 < measured["mean_accepted"] < 2
     assert measured["sigma"] == pytest.approx((measured["mean_accepted"] + 1) / 3)

@@ -324,9 +324,12 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         draft = target
     else:
         draft.materialise()
-        if inputs.ids is None and draft.config["vocab_size"] != target.config["vocab_size"]:
-            raise BadInput("target and drafter must share a vocabulary size")
     vocab = min(target.config["vocab_size"], draft.config["vocab_size"])
+    if inputs.ids is None and draft.config["vocab_size"] != target.config["vocab_size"]:
+        raise BadInput("target and drafter must share a vocabulary size")
+    # Embedding tables may be padded differently (one tokenizer); every prompt id must fit both.
+    if inputs.ids is not None and max(max(ids) for ids in inputs.ids) >= vocab:
+        raise BadInput(f"the prompts hold token ids past the drafter's or target's vocabulary ({vocab})")
     alphas = cfg.alphas if cfg.mode == "emulated-acceptance" else (None,)
 
     accepted_on_set = {}
