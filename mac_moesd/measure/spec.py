@@ -300,8 +300,17 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
 
     Every run records its acceptance as measured: mean accepted draft tokens per round, sigma,
     acceptance by position and the alpha solved from the mean; modes without an imposed alpha
-    predict with the solved one. In ``real`` mode with prompts the document also holds
-    ``acceptance`` (one entry per gamma and temperature, ``acceptance_run``)."""
+    predict with the solved one.
+
+    The document: ``target``, ``draft``, ``context`` (random ids: prompt tokens; real prompts:
+    their mean over runs), ``new_tokens``, ``prompts`` (``name``, ``encoding``, ``count``,
+    ``tokens`` [min, max]), ``temperatures``, ``runs``, ``acceptance``, ``layers``, ``memory``.
+    A run: ``batch``, ``gamma``, ``temperature``, ``prompts`` (the set's name), ``mode``,
+    ``engine``, ``context``, ``alpha`` (imposed, or solved from ``mean_accepted``),
+    ``acceptance_by_position``, ``sigma``, ``rounds``, ``measured_speedup``,
+    ``predicted_speedup``, tokens/s and CVs; ``greedy_check`` at temperature 0 (not emulated);
+    ``rules`` at temperature > 0 with prompts (``rules_worth``). ``acceptance`` (``real`` mode
+    with prompts): one ``acceptance_run.measure_acceptance`` entry per gamma and temperature."""
     from mac_moesd.inputs import models
 
     rng = np.random.default_rng(cfg.seed)
