@@ -414,22 +414,37 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
               default="emulated-acceptance", show_default=True,
               help="real: the drafter's own tokens; self-draft: draft = target (all accepted); "
                    "emulated-acceptance: each draft token accepted with probability alpha.")
-@click.option("--context", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--context", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Prompt tokens of random ids (random-weight models; real prompts set their own).")
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens each sequence generates per timed run.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--prompts", default=None,
+              help="code, chat (built-in sets) or FILE (text: blank-line-separated prompts; "
+                   ".jsonl: a 'prompt' field per line), through the model's tokenizer and chat "
+                   "template [default: code for a model with weights; random ids for random weights].")
+@click.option("--temperature", "temperatures", type=NumberList(float, minimum=0), default="0",
+              show_default=True, help="Sampling temperatures, e.g. 0,1 (above 0: --mode real, seeded).")
+@click.option("--max-prompts", type=click.IntRange(min=1), default=None,
+              help="Prompts of the set the untimed acceptance pass decodes [default: all].")
 @memory_limit_option
 @out_option()
 @json_option
-def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats,
-                 memory_limit, out, as_json) -> None:
-    """Measured SD speedup against plain decode, beside the fitted model's prediction."""
+def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, prompts,
+                 temperatures, max_prompts, memory_limit, out, as_json) -> None:
+    """Measured SD speedup against plain decode, beside the fitted model's prediction.
+
+    With --mode real on a model with weights, also the drafter's acceptance on a prompt set
+    (per draft position, mean accepted length, sigma, alpha; at temperature > 0 under mlx-lm's
+    rule and exact rejection sampling) and, at temperature 0, whether SD output equals greedy.
+    """
     from mac_moesd.analysis import fit
     from mac_moesd.machine import hardware
     from mac_moesd.measure.spec import SpecConfig, run_spec
 
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
-                     mode=mode, context=context, new_tokens=new_tokens, repeats=repeats)
+                     mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
+                     prompts=prompts, temperatures=temperatures, max_prompts=max_prompts)
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
     from mac_moesd.inputs import models
@@ -443,7 +458,10 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
              "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")
     with hardware.measuring_stage():
         document = run_spec(cfg, predictor, usable.usable_bytes)
-    store.put("spec", f"{document['target']}|{document['draft']}|{mode}", document)
+    key = f"{document['target']}|{document['draft']}|{mode}"
+    if document["prompts"]["count"]:
+        key += f"|{document['prompts']['name']}"
+    store.put("spec", key, document)
     document["meta"] = meta
     emit(document, as_json, render_spec)
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +20,14 @@ def config_dir(tmp_path):
         return folder
 
     return write
+
+
+TINY_PAIR = Path(__file__).parent / "data" / "tiny-pair"
+
+
+@pytest.fixture(scope="session")
+def tiny_pair() -> tuple[str, str]:
+    """The committed trained pair (``tools/train_tiny_pair.py``): folders of a mixtral MoE target
+    (16 experts, top-2) and a llama drafter in mlx-lm's format, sharing one BPE tokenizer with a
+    chat template. Returns (target folder, drafter folder) as strings, as a CLI takes them."""
+    return str(TINY_PAIR / "target"), str(TINY_PAIR / "draft")

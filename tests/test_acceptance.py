@@ -63,3 +63,40 @@ def test_mlx_lm_rounds_drop_the_shortened_last_rounds():
     flags = [True, True, True, True, False, True, False]
     assert acceptance.mlx_lm_rounds(flags, 4, 7) == [4]
     assert acceptance.mlx_lm_rounds([False, False], 2, 7) == [0, 0]
+
+
+def test_expected_rounds_of_a_constant_rule_is_the_chain():
+    # Every position accepted with probability a, whatever the drafted token: alpha = a exactly.
+    a, gamma = 0.6, 4
+    probs = np.full((50, gamma), a)
+    stats = acceptance.expected_rounds(probs, probs)
+    np.testing.assert_allclose(stats["acceptance_by_position"], [a ** i for i in range(1, gamma + 1)])
+    assert stats["alpha"] == pytest.approx(a)
+    assert stats["sigma"] == pytest.approx(float(theory.normalised_acceptance(a, gamma)))
+
+
+def test_expected_rounds_matches_sampled_acceptance():
+    # Random p, q over 5 tokens; drafts drawn from q; both rules' realised acceptance over many
+    # rounds agrees with the expectation computed from the same distributions.
+    rng = np.random.default_rng(0)
+    rounds, gamma, vocab = 4000, 3, 5
+    p = rng.dirichlet(np.ones(vocab), (rounds, gamma))
+    q = rng.dirichlet(np.ones(vocab), (rounds, gamma))
+    x = np.array([[rng.choice(vocab, p=q[r, j]) for j in range(gamma)] for r in range(rounds)])
+    p_x = np.take_along_axis(p, x[..., None], -1)[..., 0]
+    q_x = np.take_along_axis(q, x[..., None], -1)[..., 0]
+    u = rng.random((rounds, gamma))
+    y = (p.cumsum(-1) > u[..., None]).argmax(-1)  # the target's own sample at each position
+    realised = {"mlx-lm": np.cumprod(y == x, axis=1).sum(1),
+                "rejection": np.cumprod(u < np.minimum(1, p_x / q_x), axis=1).sum(1)}
+    expected = {"mlx-lm": acceptance.expected_rounds(p_x, (p * q).sum(-1)),
+                "rejection": acceptance.expected_rounds(np.minimum(1, p_x / q_x), np.minimum(p, q).sum(-1))}
+    for rule in acceptance.RULES:
+        assert realised[rule].mean() == pytest.approx(expected[rule]["mean_accepted"], abs=0.04)
+    # Exact rejection sampling accepts more than mlx-lm's rule: min(p, q) >= p*q pointwise.
+    assert expected["rejection"]["mean_accepted"] > expected["mlx-lm"]["mean_accepted"]
+
+
+def test_expected_rounds_refuses_mismatched_shapes():
+    with pytest.raises(ValueError):
+        acceptance.expected_rounds(np.ones((3, 2)), np.ones((3, 3)))

@@ -4,6 +4,13 @@ Neither accepted/drafted nor from-draft/emitted is the per-token acceptance rate
 alpha 0.8 and gamma 4 they give 0.59 and 0.70). What a run measures directly is the mean number
 of draft tokens accepted per round, L = alpha*(1 - alpha^gamma)/(1 - alpha) (Leviathan et al.,
 arXiv 2211.17192, Eq. 1's tokens per round minus the bonus token); alpha is solved from it.
+
+At temperature > 0 two acceptance rules differ. Exact rejection sampling accepts draft token x
+(drawn from the drafter's q) with probability min(1, p(x)/q(x)): sum_x min(p, q) per position
+(Leviathan et al., Theorem 3.5). mlx-lm's ``speculative_generate_step`` instead samples the
+target's own token y from p and accepts x only when y == x: sum_x p(x) q(x) per position, never
+more (mlx_lm/generate.py). ``expected_rounds`` turns either rule's per-round probabilities into
+the same summary as measured rounds.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from scipy.optimize import brentq
 
-__all__ = ["mlx_lm_rounds", "solve_alpha", "summarise_rounds"]
+__all__ = ["RULES", "expected_rounds", "mlx_lm_rounds", "solve_alpha", "summarise_rounds", "tokens_per_round"]
+
+RULES = ("mlx-lm", "rejection")  # accept when the sampled target token equals the draft; min(1, p/q)
 
 
 def _accepted_length(alpha: float, gamma: int) -> float:
@@ -74,3 +83,38 @@ def mlx_lm_rounds(from_draft: Sequence[bool], gamma: int, max_tokens: int) -> li
             rounds.append(run)
         run, start = 0, emitted
     return rounds
+
+
+def expected_rounds(token_probs: np.ndarray, position_probs: np.ndarray) -> dict:
+    """Expected acceptance of one rule over many rounds, from the probabilities it accepts with.
+
+    Shapes (rounds, gamma): ``token_probs[r, j]`` is the rule's chance of accepting the drafted
+    token at position j+1 given the drafted prefix (p(x) for mlx-lm's rule, min(1, p(x)/q(x)) for
+    rejection sampling), ``position_probs[r, j]`` its chance averaged over the draft, x ~ q
+    (sum_x p q, or sum_x min(p, q)). A round accepts at least i tokens with probability
+    prod_{j<i} token_probs[j] * position_probs[i]; its average over rounds is an unbiased
+    estimate of ``acceptance_by_position``, with less variance than counting accepted tokens.
+    Returns the keys of ``summarise_rounds``.
+    """
+    token_probs = np.asarray(token_probs, dtype=float)
+    position_probs = np.asarray(position_probs, dtype=float)
+    if token_probs.shape != position_probs.shape or token_probs.ndim != 2 or token_probs.size == 0:
+        raise ValueError("token and position probabilities must be non-empty (rounds, gamma) arrays")
+    gamma = token_probs.shape[1]
+    prefix = np.cumprod(np.concatenate([np.ones_like(token_probs[:, :1]), token_probs[:, :-1]], axis=1),
+                        axis=1)
+    by_position = (prefix * position_probs).mean(axis=0).clip(0.0, 1.0)
+    mean = float(by_position.sum())
+    return {
+        "rounds": int(token_probs.shape[0]),
+        "mean_accepted": mean,
+        "sigma": (mean + 1.0) / (gamma + 1.0),
+        "acceptance_by_position": [float(v) for v in by_position],
+        "alpha": solve_alpha(min(mean, float(gamma)), gamma),
+    }
+
+
+def tokens_per_round(summary: dict) -> float:
+    """Omega as measured: the mean accepted draft tokens plus the target's own token. At equal
+    cost per round, speedups of two acceptance rules stand in the ratio of their Omegas."""
+    return summary["mean_accepted"] + 1.0

@@ -1,15 +1,19 @@
 """Measured speculative decoding on this machine, against plain decode of the same target.
 
-- batch 1, ``real``: mlx-lm's own ``speculative_generate_step`` against ``generate_step``, greedy.
-- any batch: our loop (mlx-lm offers none for batch > 1): gamma drafter steps, one verify forward
-  of gamma+1 tokens (the pending token and the drafts), rejection sampling, KV rollback.
-  Its modes: ``real`` (greedy acceptance of the drafter's tokens), ``self-draft`` (draft = target,
-  everything accepted) and ``emulated-acceptance`` (each draft token accepted with probability
-  alpha, drawn here, so the system cost of SD at any alpha is measured on random-weight models).
-  Plain and speculative runs alternate, and the speedup is the median of per-pair ratios.
-  Sequences of a batch accept different counts; the caches are rolled back to the batch's
-  shortest accepted prefix (lengths then differ by at most gamma tokens from the ideal, which
-  does not change the cost of a step), while each sequence is credited its own accepted tokens.
+- batch 1, ``real``: mlx-lm's own ``speculative_generate_step`` against its ``generate_step``.
+- any batch: the suite's loop (``spec_loop``), modes ``real``, ``self-draft`` and
+  ``emulated-acceptance``.
+
+Prompts: a model with real weights decodes a prompt set (``inputs.prompts``: ``code``, ``chat``
+or a file) through its tokenizer; pair i of the timed runs uses prompts i*B .. i*B+B-1 of the set
+(cycling), each batch's prompts cut to its shortest, keeping their ends. A random-weight model
+decodes random token ids of ``context`` tokens. The prompt is prefilled outside the timed region;
+the timed region is decode only. Plain and speculative runs alternate on the same prompt, and the
+speedup is the median of per-pair ratios. At temperature 0 every speculative output is compared
+with the plain greedy output of the same pair (``greedy_check``); at temperature > 0 both sample,
+seeded, with mlx-lm's acceptance rule. In ``real`` mode with prompts, an untimed pass over the
+prompt set (``acceptance_run``) records acceptance per gamma and temperature, with both acceptance
+rules at temperature > 0.
 """
 
 from __future__ import annotations
@@ -21,17 +25,20 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 
 from mac_moesd.analysis import acceptance
-from mac_moesd.machine import memory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.measure.sampling import rejection_sample
-from mac_moesd.measure.sweep import PREFILL_CHUNK, RolledBackCache
+from mac_moesd.inputs import prompts as prompt_sets
+from mac_moesd.machine import memory
+from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
+from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt
+from mac_moesd.measure.sweep import PREFILL_CHUNK
 
 __all__ = ["SpecConfig", "run_spec"]
 
 MODES = ("real", "self-draft", "emulated-acceptance")
+RANDOM_IDS = "random token ids"
 
 
 @dataclass(frozen=True)
@@ -42,11 +49,14 @@ class SpecConfig:
     gammas: tuple[int, ...] = (2, 4)
     alphas: tuple[float, ...] = (0.7,)
     mode: str = "emulated-acceptance"
-    context: int = 64
+    context: int = 64  # prompt tokens of a random-weight model (real prompts set their own)
     new_tokens: int = 32  # tokens each sequence generates per timed run
     repeats: int = 3
     bits: int | None = None
     seed: int = 0
+    prompts: str | None = None  # code|chat|FILE; None: code for a model with weights
+    temperatures: tuple[float, ...] = (0.0,)
+    max_prompts: int | None = None  # prompts of the set the acceptance pass decodes (None: all)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -55,107 +65,78 @@ class SpecConfig:
             raise BadInput("--alpha values must be in (0, 1)")
         if min(self.batches) < 1 or min(self.gammas) < 1 or self.new_tokens < 1 or self.repeats < 1:
             raise BadInput("--batch, --gamma, --tokens and --repeats must be >= 1")
+        if any(t < 0 for t in self.temperatures):
+            raise BadInput("--temperature values must be >= 0")
+        if self.mode != "real" and any(t != 0 for t in self.temperatures):
+            raise BadInput("--temperature above 0 needs --mode real (other modes impose acceptance)")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise BadInput("--max-prompts must be >= 1")
 
 
-class Decoder:
-    """A target and a drafter with caches prefilled to the same context, for one batch size."""
+@dataclass(frozen=True)
+class PromptIds:
+    """Token ids of every prompt (None: random ids), with what they are."""
 
-    def __init__(self, target, draft, batch: int, context: int, vocab: int, rng: np.random.Generator):
-        self.target, self.draft, self.batch, self.rng = target, draft, batch, rng
-        prompt = mx.array(rng.integers(0, vocab, (batch, context)))
-        self.target_rolled = RolledBackCache(target, batch, context, vocab, prompt)
-        self.draft_rolled = RolledBackCache(draft, batch, context, vocab, prompt)
-        self.target_cache, self.draft_cache = self.target_rolled.cache, self.draft_rolled.cache
-        self.pending = mx.array(rng.integers(0, vocab, (batch, 1)))
+    name: str  # the prompt set's name, or RANDOM_IDS
+    ids: list[list[int]] | None
+    encoding: str  # "chat template", "plain" or "random"
 
-    def reset(self) -> None:
-        """Back to the prefilled context (between timed runs)."""
-        self.target_rolled.reset()
-        self.draft_rolled.reset()
-
-    def plain(self, steps: int) -> int:
-        """Greedy one-token steps, each next step built while the current one runs, as
-        mlx-lm's generate_step does; returns tokens produced (all sequences)."""
-        current = mx.argmax(self.target(self.pending, cache=self.target_cache)[:, -1:], axis=-1)
-        mx.async_eval(current)
-        for _ in range(steps - 1):
-            following = mx.argmax(self.target(current, cache=self.target_cache)[:, -1:], axis=-1)
-            mx.async_eval(following)
-            mx.eval(current)  # the loop reads each token as it arrives
-            current = following
-        mx.eval(current)
-        return steps * self.batch
-
-    def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None) -> tuple[int, list[int]]:
-        """Rounds until every sequence has ``new_tokens``; returns (tokens, draft tokens accepted
-        in each round by each sequence)."""
-        produced = np.zeros(self.batch, dtype=int)
-        per_round: list[int] = []
-        y = self.pending
-        while produced.min() < new_tokens:
-            x, drafts, draft_logits = y, [], []
-            for _ in range(gamma):  # each draft step queued as built, as mlx-lm's _draft_generate
-                logits = self.draft(x, cache=self.draft_cache)[:, -1:]
-                x = mx.argmax(logits, axis=-1)
-                mx.async_eval(x)
-                drafts.append(x)
-                draft_logits.append(logits)
-            drafts_arr = mx.concatenate(drafts, axis=1)
-            verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
-            greedy = mx.argmax(verify, axis=-1)  # (B, gamma+1): the target's token at every position
-            # One synchronisation per round: everything the acceptance decision needs.
-            if mode == "emulated-acceptance":
-                # Pay for rejection sampling, then accept with the chosen alpha.
-                counts, _ = rejection_sample(verify, mx.concatenate(draft_logits, axis=1), drafts_arr)
-                mx.eval(counts, greedy)
-                draws = self.rng.random((self.batch, gamma)) < alpha
-                accepted = np.cumprod(draws, axis=1).sum(axis=1)
-            elif mode == "self-draft":
-                # The target drafts for itself, so every draft is accepted by construction; an
-                # argmax comparison could differ on float16 near-ties (GPU), not in what it means.
-                mx.eval(greedy, drafts_arr)
-                accepted = np.full(self.batch, gamma)
-            else:
-                mx.eval(greedy, drafts_arr)
-                matches = np.array(greedy[:, :gamma]) == np.array(drafts_arr)
-                accepted = np.cumprod(matches, axis=1).sum(axis=1)
-            shared = int(accepted.min())
-            trim_prompt_cache(self.target_cache, gamma - shared)
-            if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
-                self.draft(drafts[-1], cache=self.draft_cache)
-            else:
-                trim_prompt_cache(self.draft_cache, gamma - 1 - shared)
-            produced += accepted + 1
-            per_round += [int(a) for a in accepted]
-            y = greedy[:, shared : shared + 1]
-        return int(produced.sum()), per_round
+    def batch(self, index: int, batch: int) -> list[list[int]]:
+        """Prompts index*batch .. index*batch+batch-1 of the set, cycling."""
+        return [self.ids[(index * batch + k) % len(self.ids)] for k in range(batch)]
 
 
-def paired(plain, speculative, repeats: int, reset) -> tuple[list[float], list[float], object]:
+def prompt_ids(cfg: SpecConfig, target_source, draft_source) -> PromptIds:
+    """The prompts as token ids through the target's tokenizer, or random ids for random weights.
+    The drafter must tokenise them alike when it has a tokenizer of its own."""
+    if not target_source.has_weights:
+        if cfg.prompts is not None:
+            raise BadInput(f"--prompts needs a model with weights: {target_source.name} has random "
+                           "weights, whose acceptance on real text means nothing")
+        return PromptIds(RANDOM_IDS, None, "random")
+    tokenizer = prompt_sets.load_tokenizer(target_source.weights_dir)
+    if tokenizer is None:
+        if cfg.prompts is not None:
+            raise BadInput(f"--prompts needs a tokenizer: {target_source.weights_dir} has none")
+        return PromptIds(RANDOM_IDS + " (the model has no tokenizer)", None, "random")
+    prompt_set = prompt_sets.load_prompts(cfg.prompts or "code")
+    ids = prompt_sets.tokenize(prompt_set, tokenizer)
+    draft_tokenizer = (prompt_sets.load_tokenizer(draft_source.weights_dir)
+                       if draft_source is not None and draft_source.has_weights else None)
+    if draft_tokenizer is not None and prompt_sets.tokenize(prompt_set, draft_tokenizer) != ids:
+        raise BadInput(f"{target_source.name} and {draft_source.name} tokenise the prompts "
+                       "differently: speculative decoding needs one tokenizer")
+    encoding = "chat template" if getattr(tokenizer, "has_chat_template", False) else "plain"
+    return PromptIds(prompt_set.name, ids, encoding)
+
+
+def paired(plain, speculative, repeats: int, prepare) -> tuple[list[float], list[float], list, list]:
     """Alternate plain and speculative runs (after one warm-up of each, which compiles every
-    shape), so drift and background load hit both alike. Returns both lists of times and the
-    last speculative result."""
+    shape), so drift and background load hit both alike. ``prepare(i)`` readies pair i (its
+    prompt, caches back to the prefill) outside the timed region. Returns both lists of times
+    and of results."""
+    prepare(0)
     plain()
-    reset()
+    prepare(0)
     speculative()
-    reset()
-    plain_times, spec_times, last = [], [], None
-    for _ in range(repeats):
+    plain_times, spec_times, plain_out, spec_out = [], [], [], []
+    for i in range(repeats):
+        prepare(i)
         start = time.perf_counter()
-        plain()
+        plain_out.append(plain())
         plain_times.append(time.perf_counter() - start)
-        reset()
+        prepare(i)
         start = time.perf_counter()
-        last = speculative()
+        spec_out.append(speculative())
         spec_times.append(time.perf_counter() - start)
-        reset()
-    return plain_times, spec_times, last
+    prepare(None)
+    return plain_times, spec_times, plain_out, spec_out
 
 
-def summarise_pairs(plain_tokens: int, plain_times, spec_tokens: int, spec_times) -> dict:
+def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decoded], spec_times) -> dict:
     """Median tokens/s both ways, their CVs, and the median of the per-pair speedups."""
-    plain_rates = [plain_tokens / t for t in plain_times]
-    spec_rates = [spec_tokens / t for t in spec_times]
+    plain_rates = [d.tokens / t for d, t in zip(plain_out, plain_times)]
+    spec_rates = [d.tokens / t for d, t in zip(spec_out, spec_times)]
 
     def cv(rates):
         return statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
@@ -169,30 +150,94 @@ def summarise_pairs(plain_tokens: int, plain_times, spec_tokens: int, spec_times
     }
 
 
-def mlx_lm_batch1(target, draft, context, new_tokens, gamma, repeats, vocab, rng) -> dict:
-    """Batch 1 with mlx-lm's own speculative decoding against its own plain decode (greedy)."""
-    prompt = mx.array(rng.integers(0, vocab, (context,)))
+class Decoders:
+    """One ``Decoder`` alive at a time: for pair i of a batch, built on its prompts (random ids:
+    one decoder for every pair) and reset to its prefill before each use."""
+
+    def __init__(self, target, draft, batch: int, prompts: PromptIds, context: int,
+                 rng: np.random.Generator, vocab: int):
+        self.target, self.draft, self.batch, self.prompts = target, draft, batch, prompts
+        self.random_prompt = (None if prompts.ids is not None
+                              else mx.array(rng.integers(0, vocab, (batch, context + 1))))
+        self.index, self.current = None, None
+
+    def prepare(self, index: int | None) -> None:
+        if index is None:  # done with this configuration
+            if self.current is not None:
+                self.current.reset()
+            return
+        if self.current is None or (self.prompts.ids is not None and index != self.index):
+            self.current = None  # free the old caches before the new prefill
+            prompt = (self.random_prompt if self.prompts.ids is None
+                      else common_prompt(self.prompts.batch(index, self.batch)))
+            self.current = Decoder(self.target, self.draft, prompt)
+        else:
+            self.current.reset()
+        self.index = index
+
+    @property
+    def context(self) -> int:
+        return self.current.context
+
+
+def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: float,
+                  repeats: int) -> tuple[dict, list[Decoded], list[Decoded]]:
+    """Batch 1 with mlx-lm's own speculative decoding against its own plain decode, on the
+    decoder's prefilled caches (``prompt_cache``: the target's layers, then the drafter's)."""
+    sampler = make_sampler(temp=temperature)
+    contexts = []
+
+    def prepare(index):
+        decoders.prepare(index)
+        if index is not None:
+            contexts.append(decoders.context)
 
     def plain():
-        return sum(1 for _ in generate_step(prompt, target, max_tokens=new_tokens))
+        d = decoders.current
+        tokens = [t for t, _ in generate_step(d.pending[0], d.target, max_tokens=new_tokens,
+                                              sampler=sampler, prompt_cache=d.target_cache)]
+        return Decoded(new_tokens, outputs=np.array([tokens]))
 
     def spec():
-        return [bool(d) for _, _, d in speculative_generate_step(
-            prompt, target, draft, num_draft_tokens=gamma, max_tokens=new_tokens)]
+        d = decoders.current
+        steps = list(speculative_generate_step(
+            d.pending[0], d.target, d.draft, num_draft_tokens=gamma, max_tokens=new_tokens,
+            sampler=sampler, prompt_cache=d.target_cache + d.draft_cache))
+        rounds = acceptance.mlx_lm_rounds([bool(flag) for _, _, flag in steps], gamma, new_tokens)
+        return Decoded(new_tokens, rounds, np.array([[t for t, _, _ in steps]]))
 
-    plain_times, spec_times, from_draft = paired(plain, spec, repeats, lambda: None)
-    row = summarise_pairs(new_tokens, plain_times, new_tokens, spec_times)
-    return {**row, "accepted_per_round": acceptance.mlx_lm_rounds(from_draft, gamma, new_tokens),
-            "engine": "mlx-lm"}
+    plain_times, spec_times, plain_out, spec_out = paired(plain, spec, repeats, prepare)
+    row = summarise_pairs(plain_out, plain_times, spec_out, spec_times)
+    return {**row, "engine": "mlx-lm", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
 
 
-def estimate(cfg: SpecConfig, target, draft) -> dict:
-    """Peak memory of the run at its largest batch and gamma (``memory.spec_estimate``)."""
-    return memory.spec_estimate(target, draft, max(cfg.batches), max(cfg.gammas), cfg.context,
+def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | None, temperature: float,
+             rng: np.random.Generator) -> tuple[dict, list[Decoded], list[Decoded]]:
+    """The suite's loop at the decoders' batch, paired with its plain decode."""
+    contexts = []
+
+    def prepare(index):
+        decoders.prepare(index)
+        if index is not None:
+            contexts.append(decoders.context)
+
+    plain_times, spec_times, plain_out, spec_out = paired(
+        lambda: decoders.current.plain(cfg.new_tokens, temperature),
+        lambda: decoders.current.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=rng),
+        cfg.repeats, prepare)
+    row = summarise_pairs(plain_out, plain_times, spec_out, spec_times)
+    return {**row, "engine": "mac-moesd loop", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
+
+
+def estimate(cfg: SpecConfig, target, draft, context: int | None = None) -> dict:
+    """Peak memory of the run at its largest batch and gamma (``memory.spec_estimate``), at
+    ``context`` prompt tokens (default ``cfg.context``)."""
+    return memory.spec_estimate(target, draft, max(cfg.batches), max(cfg.gammas), context or cfg.context,
                                 cfg.new_tokens, PREFILL_CHUNK, cfg.mode == "real" and 1 in cfg.batches)
 
 
-def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None = None):
+def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None = None,
+                context: int | None = None):
     """Target and drafter, built lazily, at full depth if they fit with two caches per batch;
     else both cut to the same fraction of their layers (halving the target's) so the cost of a
     draft step relative to a target step stays about the same; else refuse. Nothing allocated."""
@@ -209,7 +254,7 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
         if draft_src is not None:
             draft_layers = max(1, round(draft_full * layers / full))
             draft = models.build(draft_src, dtype, cfg.bits, draft_layers, seed=cfg.seed + 1)
-        need = estimate(cfg, target, draft)
+        need = estimate(cfg, target, draft, context)
         if available_bytes is None or need["peak_bytes"] <= available_bytes:
             return target, draft, need
         if layers == 1:
@@ -220,19 +265,67 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
         layers //= 2
 
 
+def acceptance_fields(per_round: list[int], gamma: int) -> dict:
+    """The acceptance a timed run measured (mean accepted length, sigma, per-position rates and
+    the alpha solved from the mean, never accepted/drafted), or Nones without a full round."""
+    if not per_round:
+        return {"measured_alpha": None, "mean_accepted": None, "sigma": None,
+                "acceptance_by_position": None, "rounds": 0}
+    measured = acceptance.summarise_rounds(per_round, gamma)
+    return {"measured_alpha": measured["alpha"], "mean_accepted": measured["mean_accepted"],
+            "sigma": measured["sigma"], "acceptance_by_position": measured["acceptance_by_position"],
+            "rounds": measured["rounds"]}
+
+
+def rules_worth(entry: dict, row: dict, predictor, batch: int, context: float) -> dict:
+    """What exact rejection sampling would change against mlx-lm's rule for a timed run at
+    temperature > 0: each rule's expected alpha and sigma on the prompt set, the predicted
+    speedup under each, and the measured speedup scaled by their ratio of tokens per round
+    (the cost per round is the same; rejection sampling's own step is not counted)."""
+    out = {"ratio_tokens_per_round": entry["rejection_over_mlx_lm"],
+           "projected_speedup_rejection": row["measured_speedup"] * entry["rejection_over_mlx_lm"]}
+    for rule, stats in entry["rules"].items():
+        predicted = (predictor(batch, entry["gamma"], stats["alpha"], False, context)
+                     if predictor else None)
+        out[rule] = {"alpha": stats["alpha"], "sigma": stats["sigma"],
+                     "mean_accepted": stats["mean_accepted"], "predicted_speedup": predicted}
+    return out
+
+
 def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None) -> dict:
-    """Measure every (batch, gamma, alpha); ``predictor(batch, gamma, alpha, self_draft, context)``
-    gives the fitted model's speedup for the same configuration at this run's context, or None.
-    A target and drafter too big for ``available_bytes`` are measured on slices (``plan_models``),
-    without a prediction: the fit predicts the full model.
+    """Measure every (batch, temperature, gamma, alpha); ``predictor(batch, gamma, alpha,
+    self_draft, context)`` gives the fitted model's speedup for the same configuration at this
+    run's context, or None. A target and drafter too big for ``available_bytes`` are measured on
+    slices (``plan_models``), without a prediction: the fit predicts the full model.
 
     Every run records its acceptance as measured: mean accepted draft tokens per round, sigma,
     acceptance by position and the alpha solved from the mean; modes without an imposed alpha
-    predict with the solved one."""
+    predict with the solved one.
+
+    The document: ``target``, ``draft``, ``context`` (random ids: prompt tokens; real prompts:
+    their mean over runs), ``new_tokens``, ``prompts`` (``name``, ``encoding``, ``count``,
+    ``tokens`` [min, max]), ``temperatures``, ``runs``, ``acceptance``, ``layers``, ``memory``.
+    A run: ``batch``, ``gamma``, ``temperature``, ``prompts`` (the set's name), ``mode``,
+    ``engine``, ``context``, ``alpha`` (imposed, or solved from ``mean_accepted``),
+    ``acceptance_by_position``, ``sigma``, ``rounds``, ``measured_speedup``,
+    ``predicted_speedup``, tokens/s and CVs; ``greedy_check`` at temperature 0 (not emulated);
+    ``rules`` at temperature > 0 with prompts (``rules_worth``). ``acceptance`` (``real`` mode
+    with prompts): one ``acceptance_run.measure_acceptance`` entry per gamma and temperature."""
+    from mac_moesd.inputs import models
+
     rng = np.random.default_rng(cfg.seed)
-    target, draft, need = plan_models(cfg, available_bytes)
+    target_src = models.resolve(cfg.target)
+    draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
+    inputs = prompt_ids(cfg, target_src, draft_src)
+    longest = max(map(len, inputs.ids)) if inputs.ids else None
+    target, draft, need = plan_models(cfg, available_bytes, context=longest)
     sliced = target.layers < target.layers_full
     if sliced:
+        if inputs.ids is not None and cfg.mode == "real":
+            raise MacMoesdError(
+                f"{target_src.name} and its drafter fit in memory only as slices of their layers, "
+                "and a sliced trained model drafts and accepts nothing meaningful: use --mode "
+                "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
         predictor = None
     memory.start_stage()
     target.materialise()
@@ -240,47 +333,65 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         draft = target
     else:
         draft.materialise()
-        if draft.config["vocab_size"] != target.config["vocab_size"]:
-            raise BadInput("target and drafter must share a vocabulary size")
-    vocab = target.config["vocab_size"]
+    vocab = min(target.config["vocab_size"], draft.config["vocab_size"])
+    if inputs.ids is None and draft.config["vocab_size"] != target.config["vocab_size"]:
+        raise BadInput("target and drafter must share a vocabulary size")
+    # Embedding tables may be padded differently (one tokenizer); every prompt id must fit both.
+    if inputs.ids is not None and max(max(ids) for ids in inputs.ids) >= vocab:
+        raise BadInput(f"the prompts hold token ids past the drafter's or target's vocabulary ({vocab})")
     alphas = cfg.alphas if cfg.mode == "emulated-acceptance" else (None,)
+
+    accepted_on_set = {}
+    if cfg.mode == "real" and inputs.ids is not None:
+        measured_prompts = inputs.ids[: cfg.max_prompts]
+        for temperature in cfg.temperatures:
+            for gamma in cfg.gammas:
+                accepted_on_set[gamma, temperature] = measure_acceptance(
+                    target.model, draft.model, measured_prompts, gamma, temperature,
+                    cfg.new_tokens, cfg.seed)
+
     runs = []
     for batch in cfg.batches:
-        decoder = Decoder(target.model, draft.model, batch, cfg.context, vocab, rng)
-        for gamma in cfg.gammas:
-            for alpha in alphas:
-                if batch == 1 and cfg.mode == "real":
-                    row = mlx_lm_batch1(target.model, draft.model, cfg.context, cfg.new_tokens, gamma,
-                                        cfg.repeats, vocab, rng)
-                    per_round = row.pop("accepted_per_round")
-                else:
-                    plain_times, spec_times, (tokens, per_round) = paired(
-                        lambda decoder=decoder: decoder.plain(cfg.new_tokens),
-                        lambda decoder=decoder: decoder.speculative(cfg.new_tokens, gamma, cfg.mode, alpha),
-                        cfg.repeats, decoder.reset)
-                    row = summarise_pairs(cfg.new_tokens * batch, plain_times, tokens, spec_times)
-                    row["engine"] = "mac-moesd loop"
-                # alpha solved from the mean accepted length per round, never accepted/drafted.
-                measured = acceptance.summarise_rounds(per_round, gamma) if per_round else None
-                effective = alpha if alpha is not None else (measured["alpha"] if measured else None)
-                predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", cfg.context)
-                             if predictor and effective is not None else None)
-                runs.append({
-                    "batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
-                    "measured_alpha": measured["alpha"] if measured else None,
-                    "mean_accepted": measured["mean_accepted"] if measured else None,
-                    "sigma": measured["sigma"] if measured else None,
-                    "acceptance_by_position": measured["acceptance_by_position"] if measured else None,
-                    "rounds": measured["rounds"] if measured else 0,
-                    "predicted_speedup": predicted, "repeats": cfg.repeats, **row,
-                })
-        del decoder
+        decoders = Decoders(target.model, draft.model, batch, inputs, cfg.context, rng, vocab)
+        for temperature in cfg.temperatures:
+            for gamma in cfg.gammas:
+                for alpha in alphas:
+                    mx.random.seed(cfg.seed)  # the same samples for every configuration
+                    if batch == 1 and cfg.mode == "real":
+                        row, plain_out, spec_out = mlx_lm_batch1(decoders, cfg.new_tokens, gamma,
+                                                                 temperature, cfg.repeats)
+                    else:
+                        row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, rng)
+                    per_round = [n for d in spec_out for n in d.per_round]
+                    measured = acceptance_fields(per_round, gamma)
+                    effective = alpha if alpha is not None else measured["measured_alpha"]
+                    predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", row["context"])
+                                 if predictor and effective is not None else None)
+                    run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
+                           "prompts": inputs.name, "temperature": temperature, **measured,
+                           "predicted_speedup": predicted, "repeats": cfg.repeats, **row}
+                    if temperature == 0 and cfg.mode != "emulated-acceptance":
+                        run["greedy_check"] = greedy_check(
+                            (s.outputs, p.outputs) for s, p in zip(spec_out, plain_out))
+                    entry = accepted_on_set.get((gamma, temperature))
+                    if entry is not None and temperature > 0:
+                        run["rules"] = rules_worth(entry, run, predictor, batch, row["context"])
+                    runs.append(run)
+        del decoders
         memory.release()
     document = {
         "target": target.source.name,
         "draft": target.source.name if cfg.mode == "self-draft" else cfg.draft,
-        "context": cfg.context, "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
+        # With prompts, the prompt tokens prefilled, averaged over the runs (each run has its own).
+        "context": cfg.context if inputs.ids is None else round(statistics.mean(r["context"] for r in runs)),
+        "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
+        "prompts": {"name": inputs.name, "encoding": inputs.encoding,
+                    "count": len(inputs.ids) if inputs.ids else None,
+                    "tokens": ([min(map(len, inputs.ids)), max(map(len, inputs.ids))]
+                               if inputs.ids else None)},
+        "temperatures": list(cfg.temperatures),
         "runs": runs,
+        "acceptance": list(accepted_on_set.values()),
         "layers": {"target": target.layers, "target_full": target.layers_full,
                    "draft": draft.layers, "draft_full": draft.layers_full, "sliced": sliced},
         "memory": memory.record(need, available_bytes),

@@ -355,19 +355,52 @@ def render_fit(doc: dict) -> str:
 
 def render_spec(doc: dict) -> str:
     rows = []
+    many_temperatures = len(doc.get("temperatures", [0])) > 1 or doc.get("temperatures", [0]) != [0]
     for r in doc["runs"]:
         pred = "-" if r["predicted_speedup"] is None else f"{r['predicted_speedup']:.2f}"
         err = ("" if r["predicted_speedup"] is None
                else f"{r['predicted_speedup'] / r['measured_speedup'] - 1:+.0%}")
-        rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
+        rows.append([str(r["batch"]), *([f"{r['temperature']:g}"] if many_temperatures else []),
+                     str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
                      _num(r.get("mean_accepted"), ".2f"), r["mode"],
                      f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                      f"{r['measured_speedup']:.2f}", pred, err])
-    head = (f"{doc['target']} with drafter {doc['draft']}, context {doc['context']}, "
+    prompts = doc.get("prompts") or {}
+    where = (f"prompts '{prompts['name']}' ({prompts['count']}, {prompts['encoding']}, "
+             f"{prompts['tokens'][0]}-{prompts['tokens'][1]} tokens)" if prompts.get("count")
+             else f"context {doc['context']}")
+    head = (f"{doc['target']} with drafter {doc['draft']}, {where}, "
             f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs; "
             "alpha solved from the mean accepted draft tokens per round unless imposed (emulated)")
-    return head + "\n" + table(["B", "gamma", "verify tokens", "alpha", "accepted/round", "mode",
-                                "plain tok/s", "SD tok/s", "measured S", "predicted S", "pred/meas"], rows)
+    lines = [head, table(["B", *(["temp"] if many_temperatures else []), "gamma", "verify tokens",
+                          "alpha", "accepted/round", "mode", "plain tok/s", "SD tok/s", "measured S",
+                          "predicted S", "pred/meas"], rows)]
+    checks = [r["greedy_check"] for r in doc["runs"] if "greedy_check" in r]
+    checks += [a["greedy_check"] for a in doc.get("acceptance", []) if "greedy_check" in a]
+    if checks:
+        mismatched = sum(c["mismatched"] for c in checks)
+        sequences = sum(c["sequences"] for c in checks)
+        lines.append(f"temperature 0: SD output differs from greedy in {mismatched} of {sequences} "
+                     "sequences" + ("" if mismatched == 0 else " (float near-ties flip an argmax)"))
+    if doc.get("acceptance"):
+        lines += ["", "Acceptance on the prompt set (untimed, batch 1, every prompt on its own):"]
+        acc_rows = []
+        for a in doc["acceptance"]:
+            shown = [(a["rule_run"], "measured", a["measured"])]
+            shown += [(rule, "expected from p, q", stats) for rule, stats in a.get("rules", {}).items()]
+            for rule, how, stats in shown:
+                acc_rows.append([f"{a['temperature']:g}", str(a["gamma"]), rule, how,
+                                 " ".join(f"{v:.2f}" for v in stats["acceptance_by_position"]),
+                                 f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}",
+                                 f"{stats['alpha']:.2f}"])
+        lines.append(table(["temp", "gamma", "rule", "how", "accepted by position", "accepted/round",
+                            "sigma", "alpha"], acc_rows))
+        for a in doc["acceptance"]:
+            if "rules" in a:
+                lines.append(f"temperature {a['temperature']:g}, gamma {a['gamma']}: exact rejection "
+                             f"sampling would give {a['rejection_over_mlx_lm']:.2f}x mlx-lm's tokens "
+                             "per round, hence its speedup at equal cost per round")
+    return "\n".join(lines)
 
 
 def render_compare(doc: dict) -> str:

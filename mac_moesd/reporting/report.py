@@ -344,7 +344,8 @@ def _spec(d: Digest) -> list:
         rows = []
         for r in s["runs"]:
             # Predicted with the current fit at the run's own alpha and context.
-            pred = (predictor(r["batch"], r["gamma"], r["alpha"], r["mode"] == "self-draft", s["context"])
+            pred = (predictor(r["batch"], r["gamma"], r["alpha"], r["mode"] == "self-draft",
+                              r.get("context", s["context"]))
                     if predictor and r["alpha"] is not None else r["predicted_speedup"])
             err = "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}"
             rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),

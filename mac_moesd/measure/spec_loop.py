@@ -1,0 +1,168 @@
+"""The suite's own speculative-decoding loop, for any batch (mlx-lm has none for batch > 1).
+
+One round: gamma drafter steps, one verify forward of gamma+1 tokens (the pending token and the
+drafts), an acceptance decision, and a KV rollback. Modes: ``real`` (the drafter's own tokens,
+accepted as mlx-lm accepts them: at temperature 0 while they equal the target's argmax; above it
+while they equal the token the target samples at each position, mlx_lm/generate.py's
+``speculative_generate_step``), ``self-draft`` (draft = target, everything accepted) and
+``emulated-acceptance`` (each draft token accepted with probability alpha, after paying for
+rejection sampling, so the system cost of SD at any alpha is measured on random-weight models).
+
+Sequences of a batch accept different counts; the caches are rolled back to the batch's shortest
+accepted prefix (lengths then differ by at most gamma tokens from the ideal, which does not
+change the cost of a step), while each sequence is credited its own accepted tokens. What the
+loop emits (``Decoded.outputs``) is the shared prefix and the token after it, a valid
+continuation for every sequence, so at temperature 0 it must equal plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import trim_prompt_cache
+
+from mac_moesd.measure.sampling import rejection_sample
+from mac_moesd.measure.sweep import RolledBackCache
+
+__all__ = ["Decoded", "Decoder", "common_prompt"]
+
+
+@dataclass
+class Decoded:
+    """What one decode produced: tokens credited (all sequences), the draft tokens each sequence
+    accepted in each round, the emitted token ids per sequence, and, when asked for at
+    temperature > 0, each rule's acceptance probabilities per round and position (rows of
+    ``analysis.acceptance.expected_rounds``'s inputs)."""
+
+    tokens: int
+    per_round: list[int] = field(default_factory=list)
+    outputs: np.ndarray | None = None  # (batch, emitted)
+    rule_probs: dict[str, tuple[list, list]] | None = None  # rule -> (token_probs, position_probs)
+
+
+def common_prompt(prompts: list[list[int]]) -> mx.array:
+    """A (batch, n) prompt from token lists of different lengths: each cut to the batch's
+    shortest, keeping its end, so every sequence continues from where its prompt ends."""
+    n = min(len(p) for p in prompts)
+    return mx.array([p[len(p) - n :] for p in prompts])
+
+
+def sample(logits: mx.array, temperature: float) -> mx.array:
+    """Greedy at temperature 0, else a draw from softmax(logits / temperature) (last axis)."""
+    if temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(logits * (1.0 / temperature), axis=-1)
+
+
+class Decoder:
+    """A target and a drafter with caches prefilled to the same prompt, for one batch.
+
+    ``prompt`` (batch, n): the caches hold its first n-1 tokens, the last is the pending token
+    the first forward consumes."""
+
+    def __init__(self, target, draft, prompt: mx.array):
+        self.target, self.draft = target, draft
+        self.batch, length = prompt.shape
+        self.context = length - 1
+        held = prompt[:, :-1]
+        self.target_rolled = RolledBackCache(target, self.batch, self.context, 0, held)
+        self.draft_rolled = RolledBackCache(draft, self.batch, self.context, 0, held)
+        self.target_cache, self.draft_cache = self.target_rolled.cache, self.draft_rolled.cache
+        self.pending = prompt[:, -1:]
+
+    def reset(self) -> None:
+        """Back to the prefilled prompt (between timed runs)."""
+        self.target_rolled.reset()
+        self.draft_rolled.reset()
+
+    def plain(self, steps: int, temperature: float = 0.0) -> Decoded:
+        """One-token steps of the target alone, each next step built while the current one
+        runs, as mlx-lm's generate_step does."""
+        current = sample(self.target(self.pending, cache=self.target_cache)[:, -1:], temperature)
+        mx.async_eval(current)
+        emitted = [current]
+        for _ in range(steps - 1):
+            following = sample(self.target(current, cache=self.target_cache)[:, -1:], temperature)
+            mx.async_eval(following)
+            mx.eval(current)  # the loop reads each token as it arrives
+            current = following
+            emitted.append(current)
+        mx.eval(current)
+        return Decoded(steps * self.batch, outputs=np.array(mx.concatenate(emitted, axis=1)))
+
+    def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None = None,
+                    temperature: float = 0.0, rules: bool = False,
+                    rng: np.random.Generator | None = None) -> Decoded:
+        """Rounds until every sequence has ``new_tokens``. ``rules`` (temperature > 0, ``real``)
+        also records each acceptance rule's probabilities; ``rng`` draws emulated acceptance."""
+        produced = np.zeros(self.batch, dtype=int)
+        per_round: list[int] = []
+        emitted: list[mx.array] = []
+        probs = {"mlx-lm": ([], []), "rejection": ([], [])} if rules and temperature > 0 else None
+        y = self.pending
+        while produced.min() < new_tokens:
+            x, drafts, draft_logits = y, [], []
+            for _ in range(gamma):  # each draft step queued as built, as mlx-lm's _draft_generate
+                logits = self.draft(x, cache=self.draft_cache)[:, -1:]
+                x = sample(logits, temperature)
+                mx.async_eval(x)
+                drafts.append(x)
+                draft_logits.append(logits)
+            drafts_arr = mx.concatenate(drafts, axis=1)
+            verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
+            # The target's token at every position: its argmax, or (mlx-lm's rule) its own sample.
+            chosen = sample(verify, temperature)  # (B, gamma+1)
+            # One synchronisation per round: everything the acceptance decision needs.
+            if mode == "emulated-acceptance":
+                # Pay for rejection sampling, then accept with the chosen alpha.
+                counts, _ = rejection_sample(verify, mx.concatenate(draft_logits, axis=1), drafts_arr)
+                mx.eval(counts, chosen, drafts_arr)
+                draws = rng.random((self.batch, gamma)) < alpha
+                accepted = np.cumprod(draws, axis=1).sum(axis=1)
+            elif mode == "self-draft":
+                # The target drafts for itself, so every draft is accepted by construction; an
+                # argmax comparison could differ on float16 near-ties (GPU), not in what it means.
+                mx.eval(chosen, drafts_arr)
+                accepted = np.full(self.batch, gamma)
+            else:
+                extra = (_rule_probabilities(verify[:, :gamma], mx.concatenate(draft_logits, axis=1),
+                                             drafts_arr, temperature) if probs is not None else [])
+                mx.eval(chosen, drafts_arr, extra)
+                matches = np.array(chosen[:, :gamma]) == np.array(drafts_arr)
+                accepted = np.cumprod(matches, axis=1).sum(axis=1)
+                if probs is not None:
+                    for (token_list, position_list), token_p, position_p in zip(
+                            probs.values(), extra[0::2], extra[1::2]):
+                        token_list.extend(np.array(token_p))
+                        position_list.extend(np.array(position_p))
+            shared = int(accepted.min())
+            trim_prompt_cache(self.target_cache, gamma - shared)
+            if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
+                self.draft(drafts[-1], cache=self.draft_cache)
+            else:
+                trim_prompt_cache(self.draft_cache, gamma - 1 - shared)
+            produced += accepted + 1
+            per_round += [int(a) for a in accepted]
+            # For rows that accepted more than ``shared``, chosen[shared] equals their draft.
+            y = chosen[:, shared : shared + 1]
+            emitted += [drafts_arr[:, :shared], y]
+        outputs = np.array(mx.concatenate(emitted, axis=1))
+        return Decoded(int(produced.sum()), per_round, outputs, probs)
+
+
+def _rule_probabilities(target_logits: mx.array, draft_logits: mx.array, drafts: mx.array,
+                        temperature: float) -> list[mx.array]:
+    """Per (sequence, position): mlx-lm's rule p(x) and sum_x p q; rejection sampling's
+    min(1, p(x)/q(x)) and sum_x min(p, q). Vocabularies of different sizes are compared on
+    their common ids (the larger one's extra ids have probability 0 in the other)."""
+    vocab = min(target_logits.shape[-1], draft_logits.shape[-1])
+    scale = 1.0 / temperature
+    p = mx.softmax(target_logits.astype(mx.float32) * scale, axis=-1)[..., :vocab]
+    q = mx.softmax(draft_logits.astype(mx.float32) * scale, axis=-1)[..., :vocab]
+    index = drafts[..., None]
+    p_x = mx.take_along_axis(p, index, axis=-1)[..., 0]
+    q_x = mx.take_along_axis(q, index, axis=-1)[..., 0]
+    return [p_x, (p * q).sum(axis=-1),
+            mx.minimum(1.0, p_x / mx.maximum(q_x, 1e-30)), mx.minimum(p, q).sum(axis=-1)]
