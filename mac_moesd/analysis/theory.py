@@ -308,11 +308,15 @@ WEIGHT_FORMATS: dict[str, float] = {
 
 
 def bytes_per_param(weight_format: str) -> float:
-    try:
+    """Bytes per parameter of a format of WEIGHT_FORMATS, or of any "<b>bit" checkpoint (3-, 5-,
+    6-bit models are published too), stored as mlx-lm stores them with groups of 64."""
+    if weight_format in WEIGHT_FORMATS:
         return WEIGHT_FORMATS[weight_format]
-    except KeyError:
-        known = ", ".join(WEIGHT_FORMATS)
-        raise ValueError(f"unknown weight format {weight_format!r} (known: {known})") from None
+    bits = weight_format[:-3] if weight_format.endswith("bit") else ""
+    if bits.isdigit() and 1 <= int(bits) <= 8:
+        return (int(bits) + 2 * 16 / 64) / 8
+    known = ", ".join(WEIGHT_FORMATS)
+    raise ValueError(f"unknown weight format {weight_format!r} (known: {known}, or <b>bit)")
 
 
 def ridge_in_tokens(ridge_flop_per_byte: float, weight_format: str) -> float:

@@ -12,7 +12,7 @@ import copy
 import glob
 import io
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import _get_classes, load_model, quantize_model
 
-from mac_moesd.inputs import zoo
+from mac_moesd.inputs import hfcache, zoo
 from mac_moesd.errors import MacMoesdError
 
 __all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "resolve"]
@@ -53,24 +53,16 @@ def resolve(model: str) -> ModelSource:
     if path.suffix == ".json" or path.exists():
         return ModelSource(path.parent.name or path.stem, zoo.read_config(path))
     if "/" in model:
-        cached = _hf_cache_dir(model)
+        cached = hfcache.cached_model(model, need_weights=False)
         if cached is None:
             raise MacMoesdError(
-                f"{model!r} is not a directory and not in the local Hugging Face cache "
-                "(mac-moesd never downloads; fetch it first, e.g. `hf download`)"
+                f"{model!r} is not a directory and not in the local Hugging Face cache at "
+                f"{hfcache.cache_root()} (mac-moesd never downloads; fetch it first, e.g. `hf download`)"
             )
-        return resolve(str(cached))
+        # Named by its repo id: the snapshot folder's own name is a revision hash.
+        return replace(resolve(str(cached)), name=model)
     entry = zoo.by_name(model)
     return ModelSource(entry.name, copy.deepcopy(entry.config))
-
-
-def _hf_cache_dir(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(repo_id, "config.json")
-    return Path(found).parent if isinstance(found, str) else None
 
 
 @dataclass(frozen=True)
@@ -250,7 +242,10 @@ def build(
     except (ValueError, TypeError, KeyError) as err:  # unsupported model_type, missing config keys
         raise MacMoesdError(f"cannot build {source.name} from its config: {err}") from None
     already_quantized = "quantization" in source.config and source.has_weights
-    if not already_quantized:
+    if already_quantized:
+        # Weights as stored: the checkpoint's own bits are the format the report and fit use.
+        bits = int(source.config["quantization"].get("bits", 4))
+    else:
         model.set_dtype(DTYPES[dtype])
         if bits is not None:
             # On CPU, quantize from float32 (DESIGN.md section 5): float16 scales are 20-35x slower.

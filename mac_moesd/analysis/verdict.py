@@ -1,0 +1,98 @@
+"""The verdict for a measured pair: the best draft length per prompt set, or why SD does not pay.
+
+From a fitted time model and the acceptance measured on each prompt set. One SD round costs
+``gamma*T_D(B,1) + T_T(B,gamma+1) + T_rej(B)`` and yields ``Omega = sigma*(gamma+1)`` tokens, where
+plain decode pays ``T_T(B,1)`` per token (MoESD's S(B, gamma), DESIGN.md section 1). When no gamma
+gives S > 1, the deciding term is the one whose removal would raise S the most:
+- drafter cost: the round without its gamma drafter steps;
+- verify cost: the verify forward at the price of one plain step (what a memory-bound dense
+  target pays; an MoE pays more as every extra token loads other experts);
+- acceptance: every draft token accepted (Omega = gamma+1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mac_moesd.analysis import theory
+from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel, verify_tokens
+
+__all__ = ["RoundCost", "TERMS", "best_gamma", "deciding_term", "round_cost", "verdict_rows"]
+
+GAMMAS = tuple(range(1, 9))
+TERMS = ("drafter cost", "verify cost", "acceptance")
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """Seconds of one SD round at batch B, by part, beside a plain step."""
+
+    plain: float  # T_T(B,1)
+    verify: float  # T_T(B, gamma+1)
+    draft: float  # gamma * T_D(B,1)
+    reject: float  # T_rej(B)
+
+    @property
+    def round(self) -> float:
+        return self.draft + self.verify + self.reject
+
+    def speedup(self, tokens_per_round: float) -> float:
+        return tokens_per_round * self.plain / self.round
+
+
+def round_cost(model: FittedModel, batch: int, gamma: int, context: int,
+               verify: str = DEFAULT_VERIFY) -> RoundCost:
+    """The fitted model's prices of one round and one plain step (at the run's context)."""
+    plain = float(model.target(batch, 1, context))
+    verify_s = float(model.target(batch, verify_tokens(gamma, verify), context))
+    draft = gamma * float(model.params.draft_time(batch, model.ridge_tokens))
+    return RoundCost(plain, verify_s, draft, float(model.params.reject_time(batch)))
+
+
+def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
+               gammas: tuple[int, ...] = GAMMAS) -> tuple[int, float]:
+    """(gamma, predicted S) of the draft length with the highest predicted speedup."""
+    speeds = [float(model.speedup(batch, g, alpha, context)) for g in gammas]
+    i = int(np.argmax(speeds))
+    return gammas[i], speeds[i]
+
+
+def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, context: int) -> dict:
+    """Which term keeps S below 1 at (batch, gamma, alpha): the speedup with each term removed,
+    the round's cost split, and the name of the term whose removal helps most."""
+    cost = round_cost(model, batch, gamma, context)
+    omega = float(theory.expected_tokens_per_round(alpha, gamma))
+    without = {
+        "drafter cost": omega * cost.plain / (cost.verify + cost.reject),
+        "verify cost": omega * cost.plain / (cost.draft + cost.plain + cost.reject),
+        "acceptance": cost.speedup(gamma + 1),
+    }
+    return {
+        "term": max(without, key=without.get),
+        "speedup": cost.speedup(omega),
+        "tokens_per_round": omega,
+        "speedup_without": without,
+        "round_share": {"drafter": cost.draft / cost.round, "verify": cost.verify / cost.round,
+                        "rejection": cost.reject / cost.round},
+        "verify_over_plain": cost.verify / cost.plain,
+        "draft_step_over_plain": cost.draft / gamma / cost.plain,
+    }
+
+
+def verdict_rows(fit_doc: dict, acceptance: list[dict], context: int,
+                 batches: tuple[int, ...] = (1,)) -> list[dict]:
+    """One row per measured acceptance (``{prompts, temperature, rule, alpha}``) and batch: the
+    best gamma and its predicted speedup, and, where SD does not pay, the deciding term."""
+    model = FittedModel.from_document(fit_doc)
+    rows = []
+    for a in acceptance:
+        for batch in batches:
+            gamma, speedup = best_gamma(model, batch, a["alpha"], context)
+            row = {**a, "batch": batch, "gamma": gamma, "predicted_speedup": speedup,
+                   "pays_off": speedup > 1.0}
+            if not row["pays_off"]:
+                row["deciding"] = deciding_term(model, batch, gamma, a["alpha"], context)
+            rows.append(row)
+    return rows

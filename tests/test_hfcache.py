@@ -1,0 +1,83 @@
+"""Finding models in a faked Hugging Face cache (HF_HUB_CACHE / HF_HOME), never the network."""
+
+import json
+
+import pytest
+
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.inputs import hfcache, models, pairs, zoo
+
+
+def snapshot(root, repo, rev="abc123", weights=("model.safetensors",), index=None, ref=True):
+    """A cache entry laid out as huggingface_hub writes it: models--org--name/snapshots/<rev>/."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snap = repo_dir / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(zoo.by_name("tiny-moe").config))
+    for name in weights:
+        (snap / name).write_bytes(b"\0")
+    if index is not None:
+        (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    if ref:
+        (repo_dir / "refs").mkdir(exist_ok=True)
+        (repo_dir / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hfcache.cache_root() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert hfcache.cache_root() == tmp_path / "hub"
+
+
+def test_a_complete_snapshot_is_found_through_hf_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    snap = snapshot(tmp_path / "hub", "org/moe")
+    assert hfcache.cached_model("org/moe") == snap
+    assert hfcache.cached_model("org/other") is None
+
+
+def test_refs_main_wins_and_a_missing_shard_is_incomplete(tmp_path):
+    index = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    snapshot(tmp_path, "org/sharded", rev="old", weights=tuple(index.values()), index=index, ref=False)
+    partial = snapshot(tmp_path, "org/sharded", rev="new", weights=(index["a"],), index=index)
+    assert hfcache.cached_model("org/sharded", tmp_path) == tmp_path / "models--org--sharded" / "snapshots" / "old"
+    assert hfcache.cached_model("org/sharded", tmp_path, need_weights=False) == partial
+
+
+def test_resolve_names_a_cached_model_by_its_repo_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    snapshot(tmp_path, "org/config-only", weights=())
+    source = models.resolve("org/config-only")
+    assert source.name == "org/config-only" and not source.has_weights
+    with pytest.raises(MacMoesdError, match="not in the local Hugging Face cache at"):
+        models.resolve("org/absent")
+
+
+def test_the_first_cached_pair_that_fits_is_chosen(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    known = (pairs.KnownPair("big/moe", "big/draft", ""), pairs.KnownPair("mid/moe", "mid/draft", ""),
+             pairs.KnownPair("small/moe", "small/draft", ""))
+    for repo in ("big/moe", "big/draft", "small/moe", "small/draft", "mid/moe"):
+        snapshot(tmp_path, repo)
+    asked = []
+
+    def fits(target, draft):
+        asked.append(target)
+        return "needs about 17.0 GiB; 10.7 GiB is usable here" if target == "big/moe" else None
+
+    found = pairs.find_cached_pair(fits, known)
+    assert found.pair == known[2] and asked == ["big/moe", "small/moe"]
+    assert found.passed_over == {"big/moe + big/draft": "needs about 17.0 GiB; 10.7 GiB is usable here",
+                                 "mid/moe + mid/draft": "not in the cache: mid/draft"}
+    assert found.to_dict()["cache"] == str(tmp_path)
+
+
+def test_no_cached_pair_says_what_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    found = pairs.find_cached_pair(lambda t, d: None)
+    assert found.pair is None
+    assert set(found.passed_over) == {f"{p.target} + {p.draft}" for p in pairs.KNOWN_PAIRS}

@@ -1,0 +1,71 @@
+"""The pair verdict: best gamma from the fitted model, and the deciding term when SD does not pay."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mac_moesd.analysis import theory, verdict
+from mac_moesd.analysis.fit import FittedModel
+
+FIXTURE = Path(__file__).parent / "data" / "results_quick_cpu.json"
+
+
+@pytest.fixture(scope="module")
+def fit_doc():
+    return json.loads(FIXTURE.read_text())["fits"]["tiny-moe"]
+
+
+def test_round_cost_reproduces_the_fitted_speedup(fit_doc):
+    model = FittedModel.from_document(fit_doc)
+    for batch, gamma, alpha in ((1, 2, 0.6), (4, 4, 0.9)):
+        cost = verdict.round_cost(model, batch, gamma, 64)
+        omega = float(theory.expected_tokens_per_round(alpha, gamma))
+        assert cost.speedup(omega) == pytest.approx(float(model.speedup(batch, gamma, alpha, 64)))
+
+
+def test_best_gamma_is_the_argmax_over_gamma(fit_doc):
+    model = FittedModel.from_document(fit_doc)
+    gamma, s = verdict.best_gamma(model, 1, 0.8, 64)
+    assert s == max(float(model.speedup(1, g, 0.8, 64)) for g in verdict.GAMMAS)
+    assert s == pytest.approx(float(model.speedup(1, gamma, 0.8, 64)))
+
+
+def test_low_acceptance_is_decided_by_acceptance():
+    # Verify costs one plain step and the drafter little: at alpha 0.05 acceptance decides.
+    doc = _fit(bias=1e-3, k1=0.0, k2=0.0, draft_bias=2e-4, draft_k=0.0)
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "alpha": 0.05}], 64)
+    assert row["pays_off"] is False and row["gamma"] == 1
+    assert row["deciding"]["term"] == "acceptance"
+    assert row["deciding"]["speedup_without"]["acceptance"] == pytest.approx(2e-3 / 1.2e-3)
+
+
+def test_costly_drafter_is_named():
+    doc = _fit(bias=1e-3, k1=0.0, k2=0.0, draft_bias=5e-3, draft_k=0.0)
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "chat", "temperature": 1.0, "alpha": 0.9}], 64)
+    assert row["pays_off"] is False
+    assert row["deciding"]["term"] == "drafter cost"
+    assert row["deciding"]["round_share"]["drafter"] > 0.5
+
+
+def test_costly_verify_is_named():
+    # Every extra token costs a full step (pairs regime, large k2); the drafter is nearly free.
+    doc = _fit(bias=1e-4, k1=0.0, k2=2e-3, draft_bias=1e-6, draft_k=0.0, chosen="pairs")
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "alpha": 0.6}], 64)
+    assert row["pays_off"] is False
+    assert row["deciding"]["term"] == "verify cost"
+    assert row["deciding"]["verify_over_plain"] > 1.5
+
+
+def test_a_cheap_system_with_good_acceptance_pays_off():
+    doc = _fit(bias=1e-3, k1=0.0, k2=0.0, draft_bias=1e-5, draft_k=0.0)
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "alpha": 0.9}], 64,
+                                  batches=(1,))
+    assert row["pays_off"] and row["gamma"] == 8 and "deciding" not in row
+
+
+def _fit(bias, k1, k2, draft_bias, draft_k, chosen="unique"):
+    params = {"bias": bias, "k1": k1, "k2": k2, "k3": 0.0, "lam": 1.0, "s": 1.0,
+              "draft_bias": draft_bias, "draft_k": draft_k, "reject_bias": 0.0, "reject_k": 0.0}
+    return {"chosen": chosen, "experts": 16, "top_k": 2, "ridge_tokens": 10.0, "sort_threshold": 64,
+            "drafted": True, "variants": [{"name": chosen, "params": params, "k_kv": 0.0}]}
