@@ -471,6 +471,13 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
 @click.option("--full", is_flag=True, help="More MoE models from the zoo (GPU backends).")
 @click.option("--models", type=str, default=None,
               help="Comma-separated targets instead of the defaults (MoE first; a dense one is the control).")
+@click.option("--target", default=None,
+              help="Your own MoE model (a folder in mlx-lm's format, or a Hugging Face repo id already "
+                   "in the local cache), measured with its weights as stored; needs --draft.")
+@click.option("--draft", default=None, help="The drafter for --target (same tokenizer).")
+@click.option("--prompts", "prompt_sets", default="code,chat", show_default=True,
+              help="With --target: comma-separated prompt sets for SD and routing: code, chat, or a "
+                   "FILE (blank-line-separated prompts, or JSONL with a 'prompt' field).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Reports folder; this machine's report goes in OUT/<chip-slug>.")
 @memory_limit_option
@@ -481,32 +488,61 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
 @click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
               help="With --dry-run: the machine's RAM in GiB (required with --chip).")
 @json_option
-def run_command(quick, full, models, out, memory_limit, dry_run, chip, memory_gib, as_json) -> None:
+def run_command(quick, full, models, target, draft, prompt_sets, out, memory_limit, dry_run, chip,
+                memory_gib, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
+
+    With --target and --draft, all of it for your own pair instead: the target's sweep with the
+    drafter's step, routing on the prompt sets with the model's tokenizer, the fit, SD measured
+    with real drafts per prompt set at temperatures 0 and 1, and a verdict for the pair. On a GPU
+    without --target, the first known pair found in the Hugging Face cache that fits in memory.
 
     Exit status: 0 when every stage ran; 3 when some were skipped (the report is written and
     says why); 1 when nothing could be measured.
     """
     from mac_moesd.reporting import report
+    from mac_moesd import pair
     from mac_moesd import run as runner
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")
     if (chip or memory_gib) and not dry_run:
         raise click.UsageError("--chip and --memory describe another machine: use them with --dry-run")
+    if bool(target) != bool(draft):
+        raise click.UsageError("--target and --draft go together")
+    if target and (models or full):
+        raise click.UsageError("--target/--draft measure your own pair; --models and --full choose zoo models")
+    sets = tuple(p.strip() for p in prompt_sets.split(",") if p.strip())
+    if not sets:
+        raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
     if dry_run:
-        document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib)
+        document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target, draft)
         emit(document, as_json, render_plan)
         return
     if as_json:
         raise click.UsageError("--json goes with --dry-run (a run writes its results to OUT)")
     limit = memory_limit_bytes(memory_limit)
     machine, meta, store = open_store(out, per_chip=True)
-    plan = runner.default_plan(machine.backend, quick, full)
-    if models:
-        plan = runner.with_models(plan, tuple(m.strip() for m in models.split(",") if m.strip()))
-    stages = ["roofline", *[f"sweep {m}" for m in plan.models], *[f"routing {m}" for m in plan.moe],
-              "fit", f"spec {plan.moe[0]}", "report"]
+    chosen = None
+    if target:
+        chosen = pair.pair_plan(machine.backend, quick, target, draft, sets)
+    elif machine.backend != "cpu" and not models and not full:
+        chosen, search = pair.find_default_pair(machine.backend, quick, usable_memory(memory_limit).usable_bytes)
+        store.put("pair_search", "latest", search.to_dict())
+        if chosen is None:
+            warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
+                 "models (the report says so)")
+    if chosen is not None:
+        stages = [*pair.stage_labels(chosen), "report"]
+        measure = lambda stage, advance: pair.run_pair(  # noqa: E731
+            chosen, store, machine, machine.to_dict()["spec"], stage, advance, limit)
+    else:
+        plan = runner.default_plan(machine.backend, quick, full)
+        if models:
+            plan = runner.with_models(plan, tuple(m.strip() for m in models.split(",") if m.strip()))
+        stages = [*runner.stage_labels(plan), "report"]
+        measure = lambda stage, advance: runner.run_all(  # noqa: E731
+            plan, store, machine, machine.to_dict()["spec"], stage, advance, limit)
     bar = click.progressbar(length=len(stages), label="run", file=sys.stderr, show_eta=True,
                             item_show_func=lambda item: item)
     with bar:
@@ -519,9 +555,7 @@ def run_command(quick, full, models, out, memory_limit, dry_run, chip, memory_gi
             bar.current_item = label
 
         stage.started = False
-        outcome = runner.run_all(plan, store, machine, machine.to_dict()["spec"], stage,
-                                 advance=lambda label: setattr(bar, "current_item", label) or bar.render_progress(),
-                                 memory_limit=limit)
+        outcome = measure(stage, lambda label: setattr(bar, "current_item", label) or bar.render_progress())
         stage("report")
         paths = report.write_report(store.data, store.path.parent)
         bar.update(1)
@@ -542,10 +576,11 @@ def memory_limit_bytes(limit_gib: float | None) -> int | None:
     return memory.limit_bytes(limit_gib)
 
 
-def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib) -> dict:
+def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target=None,
+                     draft=None) -> dict:
     """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated."""
     from mac_moesd.machine import hardware, memory
-    from mac_moesd import plan
+    from mac_moesd import pair, plan
     from mac_moesd import run as runner
 
     limit = memory.limit_bytes(memory_limit)
@@ -572,7 +607,10 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib) -
         rates = plan.measured_rates((out or Path("reports")) / machine.slug / "results.json")
         if rates is None and machine.spec is not None:
             rates = plan.chip_rates(machine.spec)
-    chosen = runner.default_plan(backend, quick, full)
+    if target:
+        chosen = pair.pair_plan(backend, quick, target, draft).base
+    else:
+        chosen = runner.default_plan(backend, quick, full)
     if models:
         chosen = runner.with_models(chosen, tuple(m.strip() for m in models.split(",") if m.strip()))
     return plan.dry_run(chosen, backend, name, total, usable, rates)

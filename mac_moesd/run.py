@@ -22,7 +22,7 @@ __all__ = ["Outcome", "Plan", "default_plan", "run_all"]
 @dataclass(frozen=True)
 class Plan:
     moe: tuple[str, ...]  # sparse first
-    dense: str
+    dense: str | None  # the dense control; None in a pair run
     draft: str
     batches: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -38,7 +38,7 @@ class Plan:
 
     @property
     def models(self) -> tuple[str, ...]:
-        return (*self.moe, self.dense)
+        return (*self.moe, self.dense) if self.dense else self.moe
 
 
 def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
@@ -133,6 +133,55 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
         mx.clear_cache()
 
 
+def measure_roofline(plan: Plan, store: ResultsStore, spec_dict: dict | None, backend: str,
+                     usable_bytes: int, advance: Callable[[str], None]) -> None:
+    """The roofline stage, unless results already hold one."""
+    if "roofline" in store.data:
+        return
+    roofline.validate(plan.roofline, usable_bytes)
+    memory.start_stage()
+    store.data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, backend, advance,
+                                                   usable_bytes=usable_bytes)
+    store.save()
+
+
+def sweep_config(plan: Plan, name: str) -> sweep.SweepConfig:
+    """The sweep of ``name``: an MoE target with the drafter's T_D(B,1), a dense control without."""
+    return sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
+                             bits=plan.bits, budget=plan.budget,
+                             draft=plan.draft if name in plan.moe else None)
+
+
+def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
+    """Fit every MoE target whose sweep ran; an error when none did."""
+    fitted = []
+    for name in plan.moe:
+        if f"sweep {name}" in outcome.skipped:
+            continue
+        inputs = fit.inputs_from_results(store.data, name)
+        store.data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
+        fitted.append(name)
+    store.save()
+    if not fitted:
+        raise MacMoesdError("no MoE sweep finished, so there is nothing to fit")
+
+
+class StageProgress(sweep.Progress):
+    """A sweep's points reported to the run's ``advance`` callback."""
+
+    def __init__(self, advance: Callable[[str], None]):
+        self._advance = advance
+
+    def advance(self, label: str) -> None:
+        self._advance(label)
+
+
+def stage_labels(plan: Plan) -> list[str]:
+    """The stages ``run_all`` runs, in order (the report comes after them)."""
+    return ["roofline", *[f"sweep {m}" for m in plan.models], *[f"routing {m}" for m in plan.moe],
+            "fit", f"spec {plan.moe[0]}"]
+
+
 def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
             stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None,
             memory_limit: int | None = None) -> Outcome:
@@ -149,28 +198,10 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
         stage(label)
         isolated(store, outcome, label, work)
 
-    def measure_roofline() -> None:
-        if "roofline" not in data:
-            budget = usable()
-            roofline.validate(plan.roofline, budget)
-            memory.start_stage()
-            document = roofline.run_roofline(plan.roofline, spec_dict, machine.backend, advance,
-                                             usable_bytes=budget)
-            data["roofline"] = document
-            store.save()
-
-    run_stage("roofline", measure_roofline)
-
-    class _Progress(sweep.Progress):
-        def advance(self, label: str) -> None:
-            advance(label)
-
+    run_stage("roofline", lambda: measure_roofline(plan, store, spec_dict, machine.backend, usable(), advance))
     for name in plan.models:
-        cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens,
-                                context=plan.context, bits=plan.bits, budget=plan.budget,
-                                draft=plan.draft if name in plan.moe else None)
-        run_stage(f"sweep {name}", lambda cfg=cfg: sweep.run_sweep(
-            cfg, store, usable(), _Progress()))
+        run_stage(f"sweep {name}", lambda cfg=sweep_config(plan, name): sweep.run_sweep(
+            cfg, store, usable(), StageProgress(advance)))
 
     for name in plan.moe:
         def measure_routing(name=name) -> None:
@@ -182,19 +213,7 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
 
         run_stage(f"routing {name}", measure_routing)
 
-    def fit_all() -> None:
-        fitted = []
-        for name in plan.moe:
-            if f"sweep {name}" in outcome.skipped:
-                continue
-            inputs = fit.inputs_from_results(data, name)
-            data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
-            fitted.append(name)
-        store.save()
-        if not fitted:
-            raise MacMoesdError("no MoE sweep finished, so there is nothing to fit")
-
-    run_stage("fit", fit_all)
+    run_stage("fit", lambda: fit_targets(plan, store, outcome))
 
     target = plan.moe[0]
 

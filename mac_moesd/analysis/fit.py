@@ -220,9 +220,11 @@ def _as_pairs(points: dict) -> list[tuple[int, int, float]]:
     return sorted(out)
 
 
-def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFAULT_VERIFY) -> FitInputs:
+def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFAULT_VERIFY,
+                        draft_model: str | None = None) -> FitInputs:
     """Everything the fit needs from one results file; what is missing is named, not fatal,
-    unless the target sweep itself is."""
+    unless the target sweep itself is. The drafter step is ``draft_model``'s when named, else
+    the first measured at the target's context (a file may hold several runs' drafters)."""
     views = [m for m in Digest(data).models if m.experts and (model is None or m.name == model)]
     if not views:
         which = f" of {model}" if model else ""
@@ -234,7 +236,9 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     target_pipelined = _as_pairs(full_depth_points(view.entries, "pipelined_points")[0])
     missing = []
 
-    drafts = [d for d in data.get("draft", {}).values() if d.get("points")]
+    drafts = [d for d in data.get("draft", {}).values() if d.get("points")
+              and (draft_model is None or d["model"] == draft_model)]
+    drafts.sort(key=lambda d: d.get("context") != full["context"])  # same context first
     draft = drafts[0] if drafts else None
     if draft is None:
         missing.append(NO_DRAFT)

@@ -314,6 +314,7 @@ def reanalyse(document: dict) -> dict:
 class RoutingConfig:
     model: str
     text: str | None = None  # a file or folder, "code", "prose", or None for random ids
+    prompts: str | None = None  # a prompt set instead: code, chat or FILE, one sequence per prompt
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     tokens: tuple[int, ...] = (1, 2, 4, 8)
     length: int = 64  # tokens per sequence
@@ -335,6 +336,33 @@ def load_text(spec: str | None) -> tuple[str | None, str]:
     return read_text(Path(spec)), str(spec)
 
 
+def prompts_label(spec: str) -> str:
+    """How a routing document names a prompt set as its token source (its results key too)."""
+    return f"prompt set {spec}"
+
+
+def prompt_rows(spec: str, tokenizer, vocab: int, length: int) -> tuple[list[list[int]], str]:
+    """One sequence per prompt of the set: its first ``length`` tokens, and how ids were made.
+
+    The prompt's own text, without the chat template or special tokens: their fixed tokens would
+    open every sequence alike and make independent sequences look correlated. Prompts shorter
+    than ``length`` tokens are left out (the document says how many were routed)."""
+    from mac_moesd.inputs.prompts import load_prompts
+
+    prompt_set = load_prompts(spec)
+    if tokenizer is not None:
+        encoded = [list(tokenizer.encode(p, add_special_tokens=False)) for p in prompt_set.prompts]
+        how = "tokenizer"
+    else:
+        encoded = [hashed_tokens(p, vocab) for p in prompt_set.prompts]
+        how = "hashed"
+    rows = [ids[:length] for ids in encoded if len(ids) >= length]
+    if len(rows) < 2:
+        raise BadInput(f"{len(rows)} prompt(s) of {prompt_set.name} have {length} tokens or more; "
+                       "routing needs two: a shorter --length, or longer prompts")
+    return rows, how
+
+
 def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     """Route the token source through the model and count experts; the routing document."""
     from mac_moesd.inputs import models
@@ -343,9 +371,14 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
         raise BadInput("--batch and --tokens must be >= 1 and --length >= the largest --tokens")
     if cfg.save_trace is not None:
         routing_trace.check_writable(cfg.save_trace)
+    if cfg.text is not None and cfg.prompts is not None:
+        raise BadInput("--text and --prompts exclude each other")
     source = models.resolve(cfg.model)
     shape = zoo_shape(source.config)
-    text, where = load_text(cfg.text)
+    if cfg.prompts is None:
+        text, where = load_text(cfg.text)
+    else:
+        text, where = None, prompts_label(cfg.prompts)
     sequences = 2 * max(cfg.batches)
     built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
     while cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes) and built.layers > 1:
@@ -361,14 +394,21 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     memory.start_stage()
     built.materialise()
     tokenizer = _tokenizer(source)
-    ids, how = token_source(text, tokenizer, source.config["vocab_size"],
-                            max(cfg.batches) * cfg.length, cfg.seed)
-    sequences = min(sequences, len(ids) // cfg.length)
-    # Independent sequences: spans spread evenly over the token stream.
-    stride = len(ids) // sequences
-    rows = [ids[i * stride : i * stride + cfg.length] for i in range(sequences)]
+    batches = cfg.batches
+    if cfg.prompts is not None:
+        rows, how = prompt_rows(cfg.prompts, tokenizer, source.config["vocab_size"], cfg.length)
+        rows = rows[:sequences]
+        batches = tuple(b for b in cfg.batches if b <= len(rows))  # windows need b sequences
+    else:
+        ids, how = token_source(text, tokenizer, source.config["vocab_size"],
+                                max(cfg.batches) * cfg.length, cfg.seed)
+        sequences = min(sequences, len(ids) // cfg.length)
+        # Independent sequences: spans spread evenly over the token stream.
+        stride = len(ids) // sequences
+        rows = [ids[i * stride : i * stride + cfg.length] for i in range(sequences)]
+    sequences = len(rows)
     indices = routed_indices(built.model, mx.array(rows))
-    document = routing_document(indices, *shape, cfg.batches, cfg.tokens, cfg.tau)
+    document = routing_document(indices, *shape, batches, cfg.tokens, cfg.tau)
     if cfg.save_trace is not None:
         routing_trace.save_trace(cfg.save_trace, indices, *shape, source.name, where, how)
         document["trace"] = str(cfg.save_trace)

@@ -1,0 +1,192 @@
+"""`mac-moesd run --target MODEL --draft MODEL`: the whole pipeline on the user's own pair.
+
+The target and drafter run with their weights as stored (quantized or not). Stages: the roofline,
+the target's T_T(B,t) sweep with the drafter's T_D(B,1), routing of the target on each prompt set
+with its own tokenizer (a trace of the captured indices saved beside the results), the fit, and
+SD measured in real mode per prompt set at temperatures 0 and 1: batch 1 with mlx-lm's
+``speculative_generate_step``, larger batches with the suite's loop driven by the drafter. The
+report then gives the verdict for this pair. Resumable and isolated stage by stage, as `run`.
+
+Without --target, a GPU run first looks in the Hugging Face cache for a known pair
+(``inputs/pairs.py``) that fits in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from mac_moesd import run as runner
+from mac_moesd.analysis import fit
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.inputs import models, pairs, zoo
+from mac_moesd.machine import memory
+from mac_moesd.measure import routing, spec, sweep
+from mac_moesd.results import ResultsStore
+
+__all__ = ["PairPlan", "find_default_pair", "pair_plan", "run_pair", "stage_labels"]
+
+PROMPT_SETS = ("code", "chat")
+TEMPERATURES = (0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """A run of one target/drafter pair: the grids of ``base`` (its ``moe`` is the target argument
+    alone, no dense control), the prompt sets and temperatures SD and routing run on. ``target``
+    and ``draft`` are the models' names as results and the report key them."""
+
+    base: runner.Plan
+    target: str
+    draft: str
+    prompt_sets: tuple[str, ...] = PROMPT_SETS
+    temperatures: tuple[float, ...] = TEMPERATURES
+    routing_length: int = 16  # tokens per routed sequence, one per prompt: prompts are short
+    found: str = "given on the command line"
+
+    @property
+    def target_arg(self) -> str:
+        return self.base.moe[0]
+
+    @property
+    def draft_arg(self) -> str:
+        return self.base.draft
+
+
+def pair_plan(backend: str, quick: bool, target: str, draft: str,
+              prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line") -> PairPlan:
+    """The default run's grids and budgets for this backend, on ``target`` with ``draft``, weights
+    as stored (no quantization of our own). Refuses, before anything is built, a target that is
+    not an MoE model and a pair without a common vocabulary."""
+    target_source, draft_source = models.resolve(target), models.resolve(draft)
+    if zoo.expert_shape(target_source.config) is None:
+        raise BadInput(f"--target {target} is not an MoE model (its config names no experts)")
+    if target_source.config["vocab_size"] != draft_source.config["vocab_size"]:
+        raise BadInput(f"--target {target} and --draft {draft} have different vocabularies "
+                       f"({target_source.config['vocab_size']} and {draft_source.config['vocab_size']} "
+                       "ids): SD compares token ids, so the pair must share a tokenizer")
+    base = runner.default_plan(backend, quick)
+    base = replace(base, moe=(target,), dense=None, draft=draft, bits=None,
+                   routing_batches=tuple(b for b in base.routing_batches if b <= 16))
+    return PairPlan(base, target_source.name, draft_source.name, tuple(prompt_sets), found=found)
+
+
+def stage_labels(plan: PairPlan) -> list[str]:
+    """The stages ``run_pair`` runs, in order (the report comes after them)."""
+    return (["roofline", f"sweep {plan.target}"]
+            + [f"routing {plan.target} on {p}" for p in plan.prompt_sets] + ["fit"]
+            + [f"spec {plan.target} on {p}" for p in plan.prompt_sets])
+
+
+def fits_in_memory(plan: runner.Plan, usable_bytes: int) -> Callable[[str, str], str | None]:
+    """A check for ``pairs.find_cached_pair``: None when target and drafter, built lazily at full
+    depth, fit the SD stage's peak (``memory.spec_estimate``) in ``usable_bytes``, else why not."""
+    def check(target: str, draft: str) -> str | None:
+        try:
+            cfg = spec.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
+                                  gammas=plan.spec_gammas, mode="real", context=plan.context,
+                                  new_tokens=plan.spec_tokens, repeats=plan.spec_repeats)
+            built_target = models.build(models.resolve(target))
+            built_draft = models.build(models.resolve(draft))
+        except (MacMoesdError, OSError, ValueError) as err:
+            return f"cannot be opened: {err}"
+        need = spec.estimate(cfg, built_target, built_draft)["peak_bytes"]
+        if need > usable_bytes:
+            return (f"needs about {memory.human(need)} for SD at full depth; "
+                    f"{memory.human(usable_bytes)} is usable here")
+        return None
+
+    return check
+
+
+def find_default_pair(backend: str, quick: bool, usable_bytes: int) -> tuple[PairPlan | None, pairs.Search]:
+    """On a GPU backend, the plan for the first known pair cached and fitting in memory."""
+    base = runner.default_plan(backend, quick)
+    search = pairs.find_cached_pair(fits_in_memory(base, usable_bytes))
+    if search.pair is None:
+        return None, search
+    plan = pair_plan(backend, quick, search.pair.target, search.pair.draft,
+                     found=f"found in the Hugging Face cache at {search.cache}")
+    return plan, search
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "pair"
+
+
+def trace_path(folder: Path, target: str, prompt_set: str) -> Path:
+    """Where the routing trace of ``target`` on ``prompt_set`` is saved, beside results.json."""
+    return folder / "traces" / f"{_slug(target)}-{_slug(Path(prompt_set).stem)}.npz"
+
+
+def record_pair(store: ResultsStore, plan: PairPlan) -> None:
+    """What this pair run measures, for the report's first lines (before any stage runs)."""
+    store.put("pairs", f"{plan.target}|{plan.draft}", {
+        "target": plan.target, "draft": plan.draft,
+        "target_arg": plan.target_arg, "draft_arg": plan.draft_arg, "found": plan.found,
+        "prompt_sets": list(plan.prompt_sets), "temperatures": list(plan.temperatures),
+        "context": plan.base.context, "spec_batches": list(plan.base.spec_batches),
+        "spec_gammas": list(plan.base.spec_gammas),
+    })
+
+
+def fit_target(plan: PairPlan, store: ResultsStore) -> None:
+    """The fit of the target's sweep with this pair's drafter step."""
+    inputs = fit.inputs_from_results(store.data, plan.target, draft_model=plan.draft)
+    store.data.setdefault("fits", {})[plan.target] = fit.fit_document(fit.fit(inputs))
+    store.save()
+
+
+def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | None,
+             stage: runner.Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None,
+             memory_limit: int | None = None) -> runner.Outcome:
+    """Measure every missing stage of the pair into ``store``; a stage that fails is skipped with
+    its reason and the stages after it still run (``run.isolated``)."""
+    base, data, outcome = plan.base, store.data, runner.Outcome()
+    record_pair(store, plan)
+
+    def usable() -> int:
+        return memory.usable(memory_limit).usable_bytes
+
+    def run_stage(label: str, work: Callable[[], None]) -> None:
+        stage(label)
+        runner.isolated(store, outcome, label, work)
+
+    run_stage("roofline", lambda: runner.measure_roofline(base, store, spec_dict, machine.backend,
+                                                          usable(), advance))
+    run_stage(f"sweep {plan.target}", lambda: sweep.run_sweep(
+        runner.sweep_config(base, plan.target_arg), store, usable(), runner.StageProgress(advance)))
+
+    for prompt_set in plan.prompt_sets:
+        def measure_routing(prompt_set=prompt_set) -> None:
+            key = f"{plan.target}|{routing.prompts_label(prompt_set)}"
+            if key in data.get("routing", {}):
+                return
+            trace = trace_path(store.path.parent, plan.target, prompt_set)
+            trace.parent.mkdir(exist_ok=True)
+            cfg = routing.RoutingConfig(model=plan.target_arg, prompts=prompt_set, save_trace=trace,
+                                        batches=base.routing_batches, length=plan.routing_length)
+            store.put("routing", key, routing.run_routing(cfg, usable()))
+
+        run_stage(f"routing {plan.target} on {prompt_set}", measure_routing)
+
+    run_stage("fit", lambda: fit_target(plan, store))
+
+    for prompt_set in plan.prompt_sets:
+        def measure_spec(prompt_set=prompt_set) -> None:
+            key = f"{plan.target}|{plan.draft}|real|{prompt_set}"
+            if key in data.get("spec", {}):
+                return
+            fitted = data.get("fits", {}).get(plan.target)
+            if fitted is None:
+                raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
+            cfg = spec.SpecConfig(target=plan.target_arg, draft=plan.draft_arg, batches=base.spec_batches,
+                                  gammas=base.spec_gammas, mode="real", context=base.context,
+                                  new_tokens=base.spec_tokens, repeats=base.spec_repeats,
+                                  prompts=prompt_set, temperatures=plan.temperatures)
+            store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), usable()))
+
+        run_stage(f"spec {plan.target} on {prompt_set}", measure_spec)
+    return outcome

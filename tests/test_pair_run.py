@@ -1,0 +1,100 @@
+"""`run --target --draft`: the pipeline on a pair of the user's own; the default run's search of
+the Hugging Face cache for a known pair."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from pairs_helpers import qwen2_pair
+
+from mac_moesd import pair
+from mac_moesd.cli import cli
+from mac_moesd.errors import BadInput
+from mac_moesd.inputs import models, pairs, zoo
+from mac_moesd.measure import spec
+
+
+@pytest.fixture(scope="module")
+def own_pair(tmp_path_factory):
+    """A pair saved in mlx-lm's format by this test module, seen nowhere else."""
+    return qwen2_pair(tmp_path_factory.mktemp("own-pair"))
+
+
+def cache_snapshot(root, repo, folder):
+    snap = root / ("models--" + repo.replace("/", "--")) / "snapshots" / "0123abcd"
+    shutil.copytree(folder, snap)
+    return snap
+
+
+def spec_peak(plan, target, draft):
+    cfg = spec.SpecConfig(target=target, draft=draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
+                          mode="real", context=plan.context, new_tokens=plan.spec_tokens)
+    return spec.estimate(cfg, models.build(models.resolve(target)), models.build(models.resolve(draft)))["peak_bytes"]
+
+
+def test_the_default_run_takes_the_first_cached_pair_that_fits(tmp_path, monkeypatch, own_pair):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    big_target, big_draft = qwen2_pair(tmp_path / "big", hidden=128, layers=4)
+    for repo, folder in (("org/big-moe", big_target), ("org/big-draft", big_draft),
+                         ("org/moe", own_pair[0]), ("org/draft", own_pair[1])):
+        cache_snapshot(tmp_path / "hub", repo, folder)
+    known = (pairs.KnownPair("org/absent-moe", "org/draft", ""), pairs.KnownPair("org/big-moe", "org/big-draft", ""),
+             pairs.KnownPair("org/moe", "org/draft", ""))
+    monkeypatch.setattr(pairs, "KNOWN_PAIRS", known)
+    monkeypatch.setattr(pairs.find_cached_pair, "__defaults__", (known,))
+    base = pair.runner.default_plan("metal", quick=True)
+    small, big = spec_peak(base, "org/moe", "org/draft"), spec_peak(base, "org/big-moe", "org/big-draft")
+    assert small < big
+    plan, search = pair.find_default_pair("metal", True, usable_bytes=(small + big) // 2)
+    assert (plan.target, plan.draft) == ("org/moe", "org/draft")
+    assert plan.found.startswith(f"found in the Hugging Face cache at {tmp_path / 'hub'}")
+    assert search.passed_over["org/absent-moe + org/draft"] == "not in the cache: org/absent-moe"
+    assert "for SD at full depth" in search.passed_over["org/big-moe + org/big-draft"]
+    assert plan.base.bits is None and plan.base.dense is None  # weights as stored, no dense control
+
+    plan, search = pair.find_default_pair("metal", True, usable_bytes=small // 2)
+    assert plan is None and search.to_dict()["target"] is None
+
+
+def test_a_pair_plan_refuses_a_dense_target_and_foreign_vocabularies(own_pair):
+    target, draft = own_pair
+    with pytest.raises(BadInput, match="is not an MoE model"):
+        pair.pair_plan("cpu", True, str(draft), str(draft))
+    with pytest.raises(BadInput, match="different vocabularies"):
+        pair.pair_plan("cpu", True, str(target), "tiny-draft")
+    plan = pair.pair_plan("cpu", True, str(target), str(draft), ("chat",))
+    assert pair.stage_labels(plan) == ["roofline", "sweep my-moe", "routing my-moe on chat", "fit",
+                                       "spec my-moe on chat"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--target", "x"], "--target and --draft go together"),
+    (["--draft", "x"], "--target and --draft go together"),
+    (["--target", "a", "--draft", "b", "--models", "tiny-moe"], "--models and --full choose zoo models"),
+    (["--target", "a", "--draft", "b", "--prompts", ","], "name at least one prompt set"),
+])
+def test_run_pair_usage_errors(tmp_path, args, fragment):
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert fragment in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_pair_of_an_unknown_model_is_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path), "--target",
+                                      str(tmp_path / "nowhere"), "--draft", "tiny-draft"])
+    assert result.exit_code == 1
+    assert "nowhere' is not a directory" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_dry_run_of_a_pair(own_pair):
+    target, draft = own_pair
+    result = CliRunner().invoke(cli, ["run", "--quick", "--dry-run", "--target", str(target), "--draft",
+                                      str(draft), "--chip", "Apple M1", "--memory", "8", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert [s["stage"] for s in doc["stages"]] == ["roofline", f"sweep {target}", f"routing {target}",
+                                                   f"spec {target}"]
+    assert doc["bits"] is None and doc["stages"][1]["models"] == [str(target), str(draft)]
+    assert zoo.expert_shape(models.resolve(str(target)).config) == (8, 2)
