@@ -47,6 +47,14 @@ def scaled_footprint(entry: dict) -> dict:
     return fp
 
 
+def weight_format(entry: dict) -> str:
+    """The weight format of a measured entry: "4bit", "8bit", ... or its dtype's short name."""
+    bits = entry.get("bits")
+    if bits:
+        return f"{bits}bit"
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[entry["dtype"]]
+
+
 @dataclass
 class ModelView:
     name: str
@@ -115,10 +123,7 @@ class ModelView:
 
     @property
     def weight_format(self) -> str:
-        bits = self.full.get("bits")
-        if bits:
-            return f"{bits}bit"
-        return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.full["dtype"]]
+        return weight_format(self.full)
 
     @property
     def verify_window(self) -> int:
@@ -224,3 +229,19 @@ class Digest:
     @property
     def drafts(self) -> list[dict]:
         return list(self.data.get("draft", {}).values())
+
+    @property
+    def pairs(self) -> list[dict]:
+        """Pairs of the user's own measured by `run --target --draft` (what each run measured)."""
+        return list(self.data.get("pairs", {}).values())
+
+    @property
+    def pair_search(self) -> dict | None:
+        """The default GPU run's latest search of the Hugging Face cache for a known pair."""
+        return self.data.get("pair_search", {}).get("latest")
+
+    def draft_entry(self, name: str, context: int | None = None) -> dict | None:
+        """The drafter step measured for ``name``, at ``context`` when there is one."""
+        found = [e for e in self.drafts if e["model"] == name]
+        found.sort(key=lambda e: e.get("context") != context)
+        return found[0] if found else None

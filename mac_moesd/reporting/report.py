@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from mac_moesd.analysis import fit as fit_module
-from mac_moesd.reporting import plots
+from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.analysis import theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.reporting.formatting import pipelining_lines, seconds
@@ -38,7 +38,7 @@ def pct(x: float) -> str:
 def _title(d: Digest) -> list:
     m = d.meta
     backend = m.get("backend", "?")
-    blocks = [("h1", f"mac-moesd report: {m.get('chip', 'unknown machine')}")]
+    blocks = [("h1", f"mac-moesd report: {m.get('chip', 'unknown machine')}"), *pair_sections.first_lines(d)]
     blas = m.get("blas", {}).get("name", "?")
     versions = m.get("versions", {})
     line = (f"Backend **{backend}**, BLAS {blas}, {m.get('os', '')}; measured {m.get('time', '?')} "
@@ -403,8 +403,9 @@ def _figure(figures: dict, name: str, caption: str) -> list:
 
 def build_blocks(data: dict, figures: dict[str, Path]) -> list:
     d = Digest(data)
-    return (_title(d) + _verdict(d) + _questions(d) + _roofline(d, figures) + _shape(d, figures)
-            + _routing(d, figures) + _what_ifs(d, figures) + _fit(d, figures) + _spec(d) + _method(d))
+    return (_title(d) + pair_sections.pair_blocks(d, figures) + _verdict(d) + _questions(d)
+            + _roofline(d, figures) + _shape(d, figures) + _routing(d, figures) + _what_ifs(d, figures)
+            + _fit(d, figures) + _spec(d) + _method(d))
 
 
 # ---- renderings ----
