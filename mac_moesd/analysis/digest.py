@@ -240,6 +240,12 @@ class Digest:
         """The default GPU run's latest search of the Hugging Face cache for a known pair."""
         return self.data.get("pair_search", {}).get("latest")
 
+    def pair_spec(self, pair: dict) -> dict[str, dict]:
+        """A pair's real-mode SD documents by prompt set, as `run --target` stores them."""
+        stored = self.data.get("spec", {})
+        keys = {s: f"{pair['target']}|{pair['draft']}|real|{s}" for s in pair["prompt_sets"]}
+        return {s: stored[k] for s, k in keys.items() if k in stored}
+
     def draft_entry(self, name: str, context: int | None = None) -> dict | None:
         """The drafter step measured for ``name``, at ``context`` when there is one."""
         found = [e for e in self.drafts if e["model"] == name]

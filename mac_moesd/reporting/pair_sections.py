@@ -4,7 +4,8 @@ routing on the prompts. Blocks as ``report.py`` renders them (markdown and HTML 
 
 from __future__ import annotations
 
-from mac_moesd.analysis import theory
+from mac_moesd.analysis import fit as fit_module
+from mac_moesd.analysis import theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.measure.routing import prompts_label
 
@@ -92,11 +93,145 @@ def _routing(d: Digest, p: dict) -> list:
                   "sweeps (`sweep --routing trace:FILE`).")]
 
 
+def _why_not(row: dict) -> str:
+    why, gamma = row["deciding"], row["gamma"]
+    without = why["speedup_without"][why["term"]]
+    if why["term"] == "drafter cost":
+        return (f"the drafter's cost: {gamma} drafter steps take {why['round_share']['drafter']:.0%} of a "
+                f"round (one costs {why['draft_step_over_plain']:.2f}x a target step); with a free drafter "
+                f"S would be {without:.2f}")
+    if why["term"] == "verify cost":
+        return (f"the verify cost: the {gamma + 1}-token verify forward costs {why['verify_over_plain']:.2f}x "
+                f"a one-token step; at the price of one step S would be {without:.2f}")
+    return (f"acceptance: alpha = {row['alpha']:.2f} yields {why['tokens_per_round']:.2f} tokens per "
+            f"round of {gamma + 1}; with every draft accepted S would be {without:.2f}")
+
+
+def _measured_at(doc: dict, row: dict) -> dict | None:
+    """The timed run at the verdict row's batch, gamma and temperature (mlx-lm's rule as run)."""
+    if row["rule"] == "rejection":
+        return None
+    return next((r for r in doc["runs"] if r["batch"] == row["batch"] and r["gamma"] == row["gamma"]
+                 and r.get("temperature", 0) == row["temperature"]), None)
+
+
+def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
+    blocks = [("h3", "Verdict for this pair")]
+    fitted = d.fit_of(p["target"])
+    if fitted is None or not fitted.get("drafted") or not docs:
+        missing = "the fit of the target with the drafter's step" if fitted is None or not fitted.get(
+            "drafted") else "measured SD on the prompt sets"
+        return blocks + [("p", f"No verdict: {missing} is missing (the skipped stages above say why); "
+                               "rerun the same command to retry them.")]
+    batches = tuple(sorted({1, max(p["spec_batches"])}))
+    rows, lines = [], []
+    for prompt_set, doc in docs.items():
+        accepted = verdict.measured_acceptance(doc)
+        for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches):
+            run = _measured_at(doc, row)
+            rows.append([prompt_set, f"{row['temperature']:g}", row["rule"], f"{row['alpha']:.2f}",
+                         str(row["batch"]), str(row["gamma"]), f"{row['predicted_speedup']:.2f}",
+                         "-" if run is None else f"{run['measured_speedup']:.2f}",
+                         "pays off" if row["pays_off"] else f"does not pay off ({row['deciding']['term']})"])
+            if row["batch"] != 1 or row["rule"] == "rejection":
+                continue
+            where = f"On {prompt_set} at temperature {row['temperature']:g}"
+            if row["pays_off"]:
+                measured = "" if run is None else f"; measured {run['measured_speedup']:.2f}"
+                lines.append(f"{where}: **SD pays off at batch 1 with gamma = {row['gamma']}** (predicted "
+                             f"speedup {row['predicted_speedup']:.2f} at the measured alpha "
+                             f"{row['alpha']:.2f}{measured}).")
+            else:
+                lines.append(f"{where}: **SD does not pay off here** (best gamma {row['gamma']}, predicted "
+                             f"{row['predicted_speedup']:.2f} at alpha {row['alpha']:.2f}). The deciding term "
+                             f"is {_why_not(row)}.")
+    blocks.append(("list", lines))
+    blocks.append(("table", ["prompt set", "temperature", "acceptance rule", "alpha", "B", "best gamma",
+                             "predicted S", "measured S", "verdict"], rows))
+    blocks.append(("p", f"Best gamma over 1-8 by the fitted model (`{fitted['chosen']}` expert loads, "
+                   "gamma+1 verify tokens) at the alpha measured on each prompt set, pooled over the "
+                   "measured gammas; measured S is the timed run at that batch, gamma and temperature "
+                   "where one was made. Rule `greedy` is temperature 0; at temperature 1 `mlx-lm` is the "
+                   "rule mlx-lm runs (the target's sampled token must equal the draft) and `rejection` "
+                   "exact rejection sampling (min(1, p/q)), expected from the same distributions. Where SD "
+                   "does not pay, the deciding term is the one whose removal raises S the most: the "
+                   "drafter's steps, the verify forward's excess over one step, or missed drafts."))
+    return blocks
+
+
+def _acceptance(docs: dict[str, dict], figures: dict) -> list:
+    rows, notes = [], []
+    for prompt_set, doc in docs.items():
+        for a in doc.get("acceptance") or []:
+            rules = a.get("rules") or {a["rule_run"]: a["measured"]}
+            for rule, stats in rules.items():
+                rows.append([prompt_set, f"{a['temperature']:g}", str(a["gamma"]), rule,
+                             "expected from p, q" if "rules" in a else "measured",
+                             str(stats["rounds"]),
+                             " ".join(f"{v:.2f}" for v in stats["acceptance_by_position"]),
+                             f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}", f"{stats['alpha']:.2f}"])
+            if "rules" in a:
+                notes.append(f"{prompt_set}, temperature {a['temperature']:g}, gamma {a['gamma']}: exact "
+                             f"rejection sampling gives {a['rejection_over_mlx_lm']:.2f}x the tokens per round "
+                             "of mlx-lm's rule, so that much more speedup at the same cost per round")
+            check = a.get("greedy_check")
+            if check:
+                notes.append(f"{prompt_set}, gamma {a['gamma']}: at temperature 0 SD output differs from "
+                             f"plain greedy output in {check['mismatched']} of {check['sequences']} prompts"
+                             + ("" if not check["mismatched"] else " (float near-ties flip an argmax)"))
+    if not rows:
+        return []
+    blocks = [("h3", "Acceptance per prompt set and temperature"),
+              ("table", ["prompt set", "temperature", "gamma", "rule", "how", "rounds",
+                         "accepted at position 1..gamma", "accepted/round", "sigma", "alpha"], rows),
+              ("p", "Untimed pass over every prompt of the set, batch 1. Accepted at position i: the share "
+                    "of rounds whose i-th draft token was accepted. alpha is solved from the mean accepted "
+                    "draft tokens per round, L = alpha(1 - alpha^gamma)/(1 - alpha); sigma = (L+1)/(gamma+1).")]
+    if notes:
+        blocks.append(("list", notes))
+    return blocks + [("figure", "acceptance", "Acceptance at each draft position, per prompt set and "
+                      "temperature.")] if "acceptance" in figures else blocks
+
+
+def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
+    fitted = d.fit_of(p["target"])
+    predictor = fit_module.speedup_predictor(fitted) if fitted else None
+    rows = []
+    for prompt_set, doc in docs.items():
+        for r in doc["runs"]:
+            pred = (predictor(r["batch"], r["gamma"], r["alpha"], False, r.get("context", doc["context"]))
+                    if predictor and r["alpha"] is not None else r["predicted_speedup"])
+            rules = r.get("rules")
+            rows.append([prompt_set, f"{r.get('temperature', 0):g}", str(r["batch"]), str(r["gamma"]),
+                         r["engine"], "-" if r["alpha"] is None else f"{r['alpha']:.2f}",
+                         f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
+                         f"{r['measured_speedup']:.2f}", "-" if pred is None else f"{pred:.2f}",
+                         "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}",
+                         "-" if not rules else f"{rules['projected_speedup_rejection']:.2f}"])
+    if not rows:
+        return []
+    blocks = [("h3", "Measured against predicted speedup"),
+              ("table", ["prompt set", "temperature", "B", "gamma", "engine", "alpha", "plain tok/s",
+                         "SD tok/s", "measured S", "predicted S", "pred/meas", "S with exact rejection"], rows),
+              ("p", "Batch 1 runs mlx-lm's `speculative_generate_step` against its `generate_step`; larger "
+                    "batches the suite's loop with the drafter's real drafts, B prompts of the set at a time. "
+                    "Each row is the median of per-pair ratios of alternating plain and SD runs; predicted S "
+                    "comes from the fit at the run's own alpha and prompt length. The last column scales the "
+                    "measured speedup by exact rejection sampling's gain in tokens per round over mlx-lm's "
+                    "rule (temperature > 0).")]
+    return blocks + ([("figure", "measured_vs_predicted", "Measured against predicted SD speedup for this "
+                       "pair (dashed: equal).")] if "measured_vs_predicted" in figures else [])
+
+
 def pair_blocks(d: Digest, figures: dict) -> list:
     """The pair sections, one group per measured pair."""
     blocks = []
     for p in d.pairs:
+        docs = d.pair_spec(p)
         blocks.append(("h2", f"Your pair: {p['target']} with {p['draft']}"))
+        blocks += _verdict(d, p, docs)
         blocks += _measured(d, p)
+        blocks += _acceptance(docs, figures)
+        blocks += _speedups(d, p, docs, figures)
         blocks += _routing(d, p)
     return blocks

@@ -203,7 +203,73 @@ def what_if(d: Digest, folder: Path) -> Path | None:
         return _save(fig, folder, "what_if")
 
 
-ALL = (roofline, ratio, efficiency, routing, what_if, fit_scatter, speedup)
+def acceptance(d: Digest, folder: Path) -> Path | None:
+    """Acceptance at each draft position for each pair, prompt set, temperature and rule (the
+    largest gamma measured)."""
+    curves = []
+    for p in d.pairs:
+        for prompt_set, doc in d.pair_spec(p).items():
+            entries = doc.get("acceptance") or []
+            widest = max((a["gamma"] for a in entries), default=None)
+            for a in (a for a in entries if a["gamma"] == widest):
+                for rule, stats in (a.get("rules") or {a["rule_run"]: a["measured"]}).items():
+                    curves.append((f"{prompt_set}, T={a['temperature']:g}, {rule}",
+                                   stats["acceptance_by_position"]))
+    if not curves:
+        return None
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots()
+        for i, (label, rates) in enumerate(curves):
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", color=f"C{i}", label=label)
+        ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("draft position i")
+        ax.set_ylabel("share of rounds accepting draft token i")
+        ax.set_title("Acceptance by draft position on your prompts")
+        ax.legend(fontsize=7)
+        return _save(fig, folder, "acceptance")
+
+
+def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
+    """Each timed SD run of a pair: measured speedup against the fit's prediction."""
+    from mac_moesd.analysis.fit import speedup_predictor
+
+    points = []
+    for p in d.pairs:
+        fitted = d.fit_of(p["target"])
+        predictor = speedup_predictor(fitted) if fitted else None
+        if predictor is None:
+            continue
+        for prompt_set, doc in d.pair_spec(p).items():
+            for r in doc["runs"]:
+                if r["alpha"] is not None:
+                    pred = predictor(r["batch"], r["gamma"], r["alpha"], False, r.get("context", doc["context"]))
+                    points.append((prompt_set, r["batch"], r["measured_speedup"], pred))
+    if not points:
+        return None
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(4.8, 4.4))
+        sets = sorted({s for s, *_ in points})
+        for i, prompt_set in enumerate(sets):
+            for one, marker in ((True, "o"), (False, "s")):
+                rows = [(m, q) for s, b, m, q in points if s == prompt_set and (b == 1) == one]
+                if rows:
+                    ax.plot(*zip(*rows), marker=marker, ls="", color=f"C{i}",
+                            label=f"{prompt_set}, {'B=1 (mlx-lm)' if one else 'B>1 (loop)'}")
+        values = [v for *_, m, q in points for v in (m, q)]
+        lo, hi = min(values + [1.0]) * 0.9, max(values + [1.0]) * 1.1
+        ax.plot([lo, hi], [lo, hi], color="grey", ls="--", lw=1)
+        ax.axhline(1.0, color="black", lw=0.6)
+        ax.axvline(1.0, color="black", lw=0.6)
+        ax.set_xlabel("measured speedup")
+        ax.set_ylabel("predicted speedup")
+        ax.set_title("SD on your pair: measured against predicted", fontsize=10)
+        ax.legend(fontsize=7)
+        return _save(fig, folder, "measured_vs_predicted")
+
+
+ALL = (roofline, ratio, efficiency, routing, what_if, fit_scatter, speedup, acceptance,
+       measured_vs_predicted)
 
 
 def draw_all(d: Digest, folder: Path) -> dict[str, Path]:

@@ -64,11 +64,15 @@ def _best_gamma(fit: dict, alpha: float) -> dict:
 
 
 def _verdict(d: Digest) -> list:
+    # A pair's target has its own verdict, at the acceptance measured on its prompts.
+    fits = [f for f in d.fits if f["model"] not in {p["target"] for p in d.pairs}]
+    if d.pairs and not fits:
+        return []
     blocks = [("h2", "Verdict: is speculative decoding worth it here?")]
-    if not d.fits:
+    if not fits:
         return blocks + [("p", "No fit yet: run `mac-moesd run` (or `sweep` with `--draft`, then `fit`).")]
     roof = d.roofline
-    for fit in d.fits:
+    for fit in fits:
         rho = fit["top_k"] / fit["experts"]
         threshold = theory.saturation_threshold(rho)
         drafter = f"drafter {fit['draft_model']}" if fit["drafted"] else "no drafter measured"
@@ -335,10 +339,12 @@ def _questions(d: Digest) -> list:
 
 
 def _spec(d: Digest) -> list:
-    if not d.spec:
+    own = [id(doc) for p in d.pairs for doc in d.pair_spec(p).values()]  # shown with their pair
+    docs = [s for s in d.spec if id(s) not in own]
+    if not docs:
         return []
     blocks = [("h2", "Measured speculative decoding")]
-    for s in d.spec:
+    for s in docs:
         fitted = d.fit_of(s["target"])
         predictor = fit_module.speedup_predictor(fitted) if fitted else None
         rows = []
