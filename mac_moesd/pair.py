@@ -22,6 +22,7 @@ from mac_moesd import run as runner
 from mac_moesd.analysis import fit
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
+from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.machine import memory
 from mac_moesd.measure import routing, spec, sweep
 from mac_moesd.results import ResultsStore
@@ -67,6 +68,8 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
         raise BadInput(f"--target {target} and --draft {draft} have different vocabularies "
                        f"({target_source.config['vocab_size']} and {draft_source.config['vocab_size']} "
                        "ids): SD compares token ids, so the pair must share a tokenizer")
+    for prompt_set in prompt_sets:
+        load_prompts(prompt_set)  # a missing or empty FILE is refused before anything runs
     base = runner.default_plan(backend, quick)
     base = replace(base, moe=(target,), dense=None, draft=draft, bits=None,
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))

@@ -63,6 +63,8 @@ def test_a_pair_plan_refuses_a_dense_target_and_foreign_vocabularies(own_pair):
         pair.pair_plan("cpu", True, str(draft), str(draft))
     with pytest.raises(BadInput, match="different vocabularies"):
         pair.pair_plan("cpu", True, str(target), "tiny-draft")
+    with pytest.raises(BadInput, match="prompt file not found: nope.txt"):
+        pair.pair_plan("cpu", True, str(target), str(draft), ("code", "nope.txt"))
     plan = pair.pair_plan("cpu", True, str(target), str(draft), ("chat",))
     assert pair.stage_labels(plan) == ["roofline", "sweep my-moe", "routing my-moe on chat", "fit",
                                        "spec my-moe on chat"]
@@ -98,3 +100,25 @@ def test_dry_run_of_a_pair(own_pair):
                                                    f"spec {target}"]
     assert doc["bits"] is None and doc["stages"][1]["models"] == [str(target), str(draft)]
     assert zoo.expert_shape(models.resolve(str(target)).config) == (8, 2)
+
+
+def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_path, own_pair):
+    from mac_moesd.inputs.prompts import load_prompts
+    from mac_moesd.measure import routing
+
+    target, _ = own_pair
+    cfg = routing.RoutingConfig(model=str(target), prompts="chat", batches=(1, 2, 4, 64), tokens=(1, 2, 4),
+                                length=16)
+    doc = routing.run_routing(cfg, None, trace=tmp_path / "chat.npz")
+    assert doc["text"] == "prompt set chat" and doc["token_ids"] == "tokenizer"
+    # The byte-level tokenizer gives one id per byte: every chat prompt is longer than 16.
+    assert doc["sequences"] == len(load_prompts("chat").prompts) == 30
+    assert sorted({w["batch"] for w in doc["windows"]}) == [1, 2, 4]  # 64 sequences do not exist
+    assert 0 < doc["correlation"] <= 1 and 0 < doc["batch_correlation"] <= 1
+    assert doc["trace"] == str(tmp_path / "chat.npz")
+
+    short = tmp_path / "short.txt"
+    short.write_text("hi\n\nyo\n\nok then")
+    with pytest.raises(BadInput, match="routing needs two"):
+        routing.run_routing(routing.RoutingConfig(model=str(target), prompts=str(short), batches=(1,),
+                                                  tokens=(1,), length=16), None)
