@@ -62,6 +62,10 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
     as stored (no quantization of our own). Refuses, before anything is built, a target that is
     not an MoE model and a pair without a common vocabulary."""
     target_source, draft_source = models.resolve(target), models.resolve(draft)
+    for option, source in (("--target", target_source), ("--draft", draft_source)):
+        if not source.has_weights:
+            raise BadInput(f"{option} {source.name} has no weights here (no *.safetensors): a pair run "
+                           "measures trained weights; `run --models` measures random-weight models")
     if zoo.expert_shape(target_source.config) is None:
         raise BadInput(f"--target {target} is not an MoE model (its config names no experts)")
     if target_source.config["vocab_size"] != draft_source.config["vocab_size"]:

@@ -57,12 +57,17 @@ def test_the_default_run_takes_the_first_cached_pair_that_fits(tmp_path, monkeyp
     assert plan is None and search.to_dict()["target"] is None
 
 
-def test_a_pair_plan_refuses_a_dense_target_and_foreign_vocabularies(own_pair):
+def test_a_pair_plan_refuses_a_dense_target_and_foreign_vocabularies(tmp_path, own_pair):
     target, draft = own_pair
     with pytest.raises(BadInput, match="is not an MoE model"):
         pair.pair_plan("cpu", True, str(draft), str(draft))
-    with pytest.raises(BadInput, match="different vocabularies"):
+    with pytest.raises(BadInput, match="--draft tiny-draft has no weights here"):
         pair.pair_plan("cpu", True, str(target), "tiny-draft")
+    foreign = qwen2_pair(tmp_path, hidden=64)[1]
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    with pytest.raises(BadInput, match="different vocabularies"):
+        pair.pair_plan("cpu", True, str(target), str(foreign))
     with pytest.raises(BadInput, match="prompt file not found: nope.txt"):
         pair.pair_plan("cpu", True, str(target), str(draft), ("code", "nope.txt"))
     plan = pair.pair_plan("cpu", True, str(target), str(draft), ("chat",))
