@@ -134,6 +134,8 @@ def record_pair(store: ResultsStore, plan: PairPlan) -> None:
         "target": plan.target, "draft": plan.draft,
         "target_arg": plan.target_arg, "draft_arg": plan.draft_arg, "found": plan.found,
         "prompt_sets": list(plan.prompt_sets), "temperatures": list(plan.temperatures),
+        "stored": {"target": models.stored_format(models.resolve(plan.target_arg)),
+                   "draft": models.stored_format(models.resolve(plan.draft_arg))},
         "context": plan.base.context, "spec_batches": list(plan.base.spec_batches),
         "spec_gammas": list(plan.base.spec_gammas),
     })

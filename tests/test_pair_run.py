@@ -127,3 +127,126 @@ def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_
     with pytest.raises(BadInput, match="routing needs two"):
         routing.run_routing(routing.RoutingConfig(model=str(target), prompts=str(short), batches=(1,),
                                                   tokens=(1,), length=16), None)
+
+
+# ---- the whole pipeline through the CLI, on a tiny grid ----
+
+@pytest.fixture
+def tiny_grid(monkeypatch):
+    from test_report import tiny_plan
+
+    monkeypatch.setattr(pair.runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
+
+
+def run_pair_cli(out, target, draft, *extra):
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(out), "--target", str(target),
+                                      "--draft", str(draft), *extra])
+    (folder,) = [p for p in out.iterdir() if p.is_dir()]
+    return result, folder
+
+
+PAIR_SECTIONS = ["### Verdict for this pair", "### What was measured",
+                 "### Acceptance per prompt set and temperature", "### Measured against predicted speedup",
+                 "### Routing on your prompts"]
+
+
+def check_pair_report(folder, target_name, draft_name, prompt_sets):
+    from mac_moesd.analysis import verdict
+
+    data = json.loads((folder / "results.json").read_text())
+    md = (folder / "report.md").read_text()
+    assert md.splitlines()[2].startswith(f"> Your pair: target **{target_name}** with drafter **{draft_name}**")
+    assert f"## Your pair: {target_name} with {draft_name}" in md
+    for section in PAIR_SECTIONS:
+        assert section in md
+    fitted = data["fits"][target_name]
+    for prompt_set in prompt_sets:
+        # Routing on the prompts, through the model's own tokenizer, with c in the report.
+        routed = data["routing"][f"{target_name}|prompt set {prompt_set}"]
+        assert routed["token_ids"] == "tokenizer" and routed["sequences"] >= 2
+        assert (f"| {prompt_set} | {routed['sequences']} x {routed['length']} | tokenizer | "
+                f"{routed['correlation']:.3f} | {routed['batch_correlation']:.3f} |") in md
+        assert (folder / "traces").is_dir() and routed["trace"].startswith(str(folder / "traces"))
+        # The verdict at batch 1 for each temperature, as the fitted model and the measured alpha say.
+        doc = data["spec"][f"{target_name}|{draft_name}|real|{prompt_set}"]
+        for row in verdict.verdict_rows(fitted, verdict.measured_acceptance(doc), doc["context"]):
+            if row["rule"] == "rejection":
+                continue
+            line = f"On {prompt_set} at temperature {row['temperature']:g}: **SD "
+            line += (f"pays off at batch 1 with gamma = {row['gamma']}** (predicted speedup "
+                     f"{row['predicted_speedup']:.2f}" if row["pays_off"] else
+                     f"does not pay off here** (best gamma {row['gamma']}, predicted "
+                     f"{row['predicted_speedup']:.2f} at alpha {row['alpha']:.2f}). The deciding term is")
+            assert line in md
+        for a in doc["acceptance"]:
+            rates = (a.get("rules") or {a["rule_run"]: a["measured"]})
+            for rule, stats in rates.items():
+                assert (f"| {prompt_set} | {a['temperature']:g} | {a['gamma']} | {rule} |") in md
+                assert " ".join(f"{v:.2f}" for v in stats["acceptance_by_position"]) in md
+    for name in ("acceptance", "measured_vs_predicted", "routing", "fit"):
+        assert (folder / "figures" / f"{name}.png").stat().st_size > 5_000
+    assert "data:image/png;base64," in (folder / "report.html").read_text()
+    return data, md
+
+
+def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tiny_pair):
+    target, draft = tiny_pair
+    result, folder = run_pair_cli(tmp_path, target, draft)
+    assert result.exit_code == 0, result.stderr
+    assert "report: " in result.stdout and "Traceback" not in result.stderr
+    data, md = check_pair_report(folder, "target", "draft", ("code", "chat"))
+    assert data["pairs"]["target|draft"]["stored"] == {"target": "fp16", "draft": "fp16"}
+    assert "| target | target | " in md and "(stored fp16)" in md
+    assert "## Verdict: is speculative decoding worth it here?" not in md  # the pair's own verdict only
+
+    # Resumable: a rerun keeps every finished stage and rewrites the report.
+    before = (folder / "results.json").read_text()
+    result, _ = run_pair_cli(tmp_path, target, draft)
+    assert result.exit_code == 0, result.stderr
+    after, before = json.loads((folder / "results.json").read_text()), json.loads(before)
+    for section in ("roofline", "routing", "fits", "spec"):
+        assert after[section] == before[section]
+    for key, entry in before["sweeps"].items():
+        assert after["sweeps"][key]["points"] == entry["points"]
+
+
+def test_a_pair_saved_by_the_test_runs_through_the_same_command(tmp_path, tiny_grid, own_pair):
+    target, draft = own_pair
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Write a haiku about the number {i} and its digits."})
+                                 for i in range(12)))
+    out = tmp_path / "reports"
+    result, folder = run_pair_cli(out, target, draft, "--prompts", f"chat,{prompts}")
+    assert result.exit_code == 0, result.stderr
+    data, md = check_pair_report(folder, "my-moe", "my-draft", ("chat", str(prompts)))
+    assert data["spec"][f"my-moe|my-draft|real|{prompts}"]["prompts"]["count"] == 12
+    assert (folder / "traces" / "my-moe-mine.npz").exists()
+
+
+def test_a_failing_pair_stage_is_skipped_and_named(tmp_path, tiny_grid, tiny_pair, monkeypatch):
+    from mac_moesd.measure import routing
+
+    def metal_failure(*args, **kwargs):
+        raise RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory")
+
+    monkeypatch.setattr(routing, "run_routing", metal_failure)
+    result, folder = run_pair_cli(tmp_path, *tiny_pair, "--prompts", "chat")
+    assert result.exit_code == 3
+    assert "warning: skipped routing target on chat: RuntimeError: [METAL]" in result.stderr
+    md = (folder / "report.md").read_text()
+    assert "Skipped routing target on chat: RuntimeError" in md
+    assert "### Verdict for this pair" in md and "### Routing on your prompts" not in md
+
+
+def test_the_report_says_when_no_cached_pair_was_found():
+    from pathlib import Path
+
+    from mac_moesd.reporting import report
+
+    data = json.loads((Path(__file__).parent / "data" / "results_quick_cpu.json").read_text())
+    data["pair_search"] = {"latest": {"target": None, "draft": None, "cache": "/Users/me/.cache/huggingface/hub",
+                                      "passed_over": {"a/moe + a/draft": "not in the cache: a/moe"}}}
+    blocks = report.build_blocks(data, {})
+    assert blocks[1][0] == "note" and blocks[1][1].startswith(
+        "RANDOM WEIGHTS: no known MoE/drafter pair in the Hugging Face cache at /Users/me/.cache/huggingface/hub "
+        "could be measured (a/moe + a/draft: not in the cache: a/moe)")

@@ -24,7 +24,8 @@ from mlx_lm.utils import _get_classes, load_model, quantize_model
 from mac_moesd.inputs import hfcache, zoo
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "resolve"]
+__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "resolve",
+           "stored_format"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GROUP_SIZE = 64  # mlx-lm's default quantization group
@@ -255,6 +256,22 @@ def build(
                 model, config = quantize_model(model, config, group_size=GROUP_SIZE, bits=bits)
     return Built(model, config, source, dtype, bits, layers, layers_full, footprint(model, config))
 
+
+
+def stored_format(source: ModelSource) -> str | None:
+    """The weight format a checkpoint holds ("4bit", "fp16", ...): its quantization bits, else the
+    dtype most of its parameters have, read lazily (no weight is loaded). None without weights."""
+    if not source.has_weights:
+        return None
+    if "quantization" in source.config:
+        return f"{int(source.config['quantization'].get('bits', 4))}bit"
+    with mlx_lm_quiet():
+        model, _ = load_model(source.weights_dir, lazy=True, strict=False)
+    sizes: dict = {}
+    for _, array in tree_flatten(model.parameters()):
+        sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size
+    names = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+    return names.get(max(sizes, key=sizes.get), str(max(sizes, key=sizes.get)))
 
 
 def describe_zoo() -> list[dict]:

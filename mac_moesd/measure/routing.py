@@ -377,9 +377,12 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     shape = zoo_shape(source.config)
     if cfg.prompts is None:
         text, where = load_text(cfg.text)
+        sequences = 2 * max(cfg.batches)
     else:
+        from mac_moesd.inputs.prompts import load_prompts
+
         text, where = None, prompts_label(cfg.prompts)
-    sequences = 2 * max(cfg.batches)
+        sequences = len(load_prompts(cfg.prompts).prompts)  # every prompt long enough is routed
     built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
     while cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes) and built.layers > 1:
         built = models.build(source, bits=cfg.bits, layers=built.layers // 2, seed=cfg.seed)
@@ -397,7 +400,6 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     batches = cfg.batches
     if cfg.prompts is not None:
         rows, how = prompt_rows(cfg.prompts, tokenizer, source.config["vocab_size"], cfg.length)
-        rows = rows[:sequences]
         batches = tuple(b for b in cfg.batches if b <= len(rows))  # windows need b sequences
     else:
         ids, how = token_source(text, tokenizer, source.config["vocab_size"],

@@ -4,6 +4,8 @@ routing on the prompts. Blocks as ``report.py`` renders them (markdown and HTML 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
@@ -38,25 +40,32 @@ def _params(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
+def _format(run: str, p: dict, role: str) -> str:
+    """The format a model ran in, and the checkpoint's own when they differ (MLX's CPU backend
+    runs float16 checkpoints in float32: its gather_mm supports float32 only)."""
+    stored = p.get("stored", {}).get(role)
+    return run if stored in (None, run) else f"{run} (stored {stored})"
+
+
 def _measured(d: Digest, p: dict) -> list:
     rows = []
     target = d.model(p["target"])
     if target is not None:
         fp = target.footprint
-        rows.append(["target", p["target"], p["target_arg"], target.weight_format,
+        rows.append(["target", p["target"], p["target_arg"], _format(target.weight_format, p, "target"),
                      f"{fp['experts']} experts, top-{fp['top_k']}", str(target.full["layers_full"]),
                      f"{_params(fp['params_total'])} ({_params(fp['params_active'])} active)",
                      _human_bytes(fp["bytes_total"])])
     draft = d.draft_entry(p["draft"], p["context"])
     if draft is not None:
         fp = draft["footprint"]
-        rows.append(["drafter", p["draft"], p["draft_arg"], weight_format(draft), "dense",
+        rows.append(["drafter", p["draft"], p["draft_arg"], _format(weight_format(draft), p, "draft"), "dense",
                      str(draft["layers_full"]), _params(fp["params_total"]), _human_bytes(fp["bytes_total"])])
     blocks = [("h3", "What was measured")]
     if rows:
         blocks.append(("table", ["role", "model", "from", "format", "experts", "layers", "parameters",
                                  "weights"], rows))
-    blocks.append(("p", f"Prompt sets: {', '.join(p['prompt_sets'])}; temperatures "
+    blocks.append(("p", f"Prompt sets: {', '.join(_prompt_sets(d, p))}; temperatures "
                    f"{', '.join(f'{t:g}' for t in p['temperatures'])}; SD at batches "
                    f"{', '.join(map(str, p['spec_batches']))} with gamma "
                    f"{', '.join(map(str, p['spec_gammas']))} (batch 1 with mlx-lm's "
@@ -65,6 +74,19 @@ def _measured(d: Digest, p: dict) -> list:
                    "(timing depends on the routing the ids cause; the routing on your prompts is "
                    "measured below)."))
     return blocks
+
+
+def _prompt_sets(d: Digest, p: dict) -> list[str]:
+    """Each prompt set with its size and encoding, where its SD run recorded them."""
+    out = []
+    for prompt_set in p["prompt_sets"]:
+        info = (d.pair_spec(p).get(prompt_set) or {}).get("prompts") or {}
+        if info.get("count"):
+            out.append(f"{prompt_set} ({info['count']} prompts of {info['tokens'][0]}-{info['tokens'][1]} "
+                       f"tokens, {info['encoding']})")
+        else:
+            out.append(prompt_set)
+    return out
 
 
 def _routing(d: Digest, p: dict) -> list:
@@ -76,7 +98,8 @@ def _routing(d: Digest, p: dict) -> list:
     for prompt_set, r in docs.items():
         rows.append([prompt_set, f"{r['sequences']} x {r['length']}", r["token_ids"],
                      f"{r['correlation']:.3f}", f"{r['batch_correlation']:.3f}",
-                     str(r["threshold_corrected"]), str(r["threshold_uniform"]), r.get("trace", "-")])
+                     str(r["threshold_corrected"]), str(r["threshold_uniform"]),
+                     f"traces/{Path(r['trace']).name}" if r.get("trace") else "-"])
     any_doc = next(iter(docs.values()))
     rho = theory.sparsity(any_doc["experts"], any_doc["top_k"])
     return [("h3", "Routing on your prompts"),
@@ -89,8 +112,8 @@ def _routing(d: Digest, p: dict) -> list:
                   f"routing, smaller means consecutive tokens reuse experts. With E = {any_doc['experts']} "
                   f"and K = {any_doc['top_k']} (rho = {rho:.3g}), the within-sequence threshold is where "
                   "one sequence's consecutive tokens reach tau*E experts; MoESD's batch threshold counts "
-                  "independent tokens. The traces hold the captured indices for routing-controlled "
-                  "sweeps (`sweep --routing trace:FILE`).")]
+                  "independent tokens. The traces, beside results.json, hold the captured indices "
+                  "for routing-controlled sweeps (`sweep --routing trace:FILE`).")]
 
 
 def _why_not(row: dict) -> str:

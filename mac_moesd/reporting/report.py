@@ -326,7 +326,7 @@ def _questions(d: Digest) -> list:
         where = (f"from B={first} agents (gamma={gamma}, {VERIFY_WINDOW}-token verify windows) the "
                  "experts saturate" if first else
                  f"no measured batch saturates the experts at gamma={gamma}")
-        items.append(f"Multi-agent saturation for {r['model']}: MoESD's batch threshold is "
+        items.append(f"Multi-agent saturation for {r['model']} ({r['text']}): MoESD's batch threshold is "
                      f"{r['threshold_uniform']} independent tokens; consecutive tokens of one sequence "
                      f"(c = {r['correlation']:.2f}) saturate only after {r['threshold_corrected']} "
                      f"(the within-sequence threshold); {where} (figure: routing).")
