@@ -475,9 +475,10 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
               help="Your own MoE model (a folder in mlx-lm's format, or a Hugging Face repo id already "
                    "in the local cache), measured with its weights as stored; needs --draft.")
 @click.option("--draft", default=None, help="The drafter for --target (same tokenizer).")
-@click.option("--prompts", "prompt_sets", default="code,chat", show_default=True,
-              help="With --target: comma-separated prompt sets for SD and routing: code, chat, or a "
-                   "FILE (blank-line-separated prompts, or JSONL with a 'prompt' field).")
+@click.option("--prompts", "prompt_sets", default=None,
+              help="With --target (or a cached pair): comma-separated prompt sets for SD and routing: "
+                   "code, chat, or a FILE (blank-line-separated prompts, or JSONL with a 'prompt' "
+                   "field) [default: code,chat].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Reports folder; this machine's report goes in OUT/<chip-slug>.")
 @memory_limit_option
@@ -512,7 +513,9 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
         raise click.UsageError("--target and --draft go together")
     if target and (models or full):
         raise click.UsageError("--target/--draft measure your own pair; --models and --full choose zoo models")
-    sets = tuple(p.strip() for p in prompt_sets.split(",") if p.strip())
+    if prompt_sets is not None and (models or full):
+        raise click.UsageError("--prompts goes with a pair (--target/--draft), not with --models or --full")
+    sets = tuple(p.strip() for p in (prompt_sets or ",".join(pair.PROMPT_SETS)).split(",") if p.strip())
     if not sets:
         raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
     if dry_run:
@@ -526,8 +529,12 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
     chosen = None
     if target:
         chosen = pair.pair_plan(machine.backend, quick, target, draft, sets)
+    elif machine.backend == "cpu" and prompt_sets is not None:
+        raise click.UsageError("--prompts needs --target and --draft here (the cached-pair search runs on "
+                               "a GPU only)")
     elif machine.backend != "cpu" and not models and not full:
-        chosen, search = pair.find_default_pair(machine.backend, quick, usable_memory(memory_limit).usable_bytes)
+        chosen, search = pair.find_default_pair(machine.backend, quick,
+                                                usable_memory(memory_limit).usable_bytes, sets)
         store.put("pair_search", "latest", search.to_dict())
         if chosen is None:
             warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "

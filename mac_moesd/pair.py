@@ -31,6 +31,7 @@ __all__ = ["PairPlan", "find_default_pair", "pair_plan", "run_pair", "stage_labe
 
 PROMPT_SETS = ("code", "chat")
 TEMPERATURES = (0.0, 1.0)
+QUICK_PROMPTS = 10
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class PairPlan:
     temperatures: tuple[float, ...] = TEMPERATURES
     routing_length: int = 16  # tokens per routed sequence, one per prompt: prompts are short
     found: str = "given on the command line"
+    max_prompts: int | None = None  # prompts per set the acceptance pass decodes (None: all)
 
     @property
     def target_arg(self) -> str:
@@ -59,8 +61,10 @@ class PairPlan:
 def pair_plan(backend: str, quick: bool, target: str, draft: str,
               prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line") -> PairPlan:
     """The default run's grids and budgets for this backend, on ``target`` with ``draft``, weights
-    as stored (no quantization of our own). Refuses, before anything is built, a target that is
-    not an MoE model and a pair without a common vocabulary."""
+    as stored (no quantization of our own). Refuses, before anything is built, a model without
+    weights, a target that is not an MoE model and a prompt set that cannot be read. (Embedding
+    tables padded to different sizes under one tokenizer are fine; the SD stage checks that both
+    models tokenise the prompts alike.)"""
     target_source, draft_source = models.resolve(target), models.resolve(draft)
     for option, source in (("--target", target_source), ("--draft", draft_source)):
         if not source.has_weights:
@@ -68,16 +72,15 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
                            "measures trained weights; `run --models` measures random-weight models")
     if zoo.expert_shape(target_source.config) is None:
         raise BadInput(f"--target {target} is not an MoE model (its config names no experts)")
-    if target_source.config["vocab_size"] != draft_source.config["vocab_size"]:
-        raise BadInput(f"--target {target} and --draft {draft} have different vocabularies "
-                       f"({target_source.config['vocab_size']} and {draft_source.config['vocab_size']} "
-                       "ids): SD compares token ids, so the pair must share a tokenizer")
     for prompt_set in prompt_sets:
         load_prompts(prompt_set)  # a missing or empty FILE is refused before anything runs
     base = runner.default_plan(backend, quick)
     base = replace(base, moe=(target,), dense=None, draft=draft, bits=None,
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))
-    return PairPlan(base, target_source.name, draft_source.name, tuple(prompt_sets), found=found)
+    # --quick: the untimed acceptance pass decodes the first 10 prompts of each set (a third of
+    # a built-in set); the timed runs still cycle through all of them.
+    return PairPlan(base, target_source.name, draft_source.name, tuple(prompt_sets), found=found,
+                    max_prompts=QUICK_PROMPTS if quick else None)
 
 
 def stage_labels(plan: PairPlan) -> list[str]:
@@ -108,13 +111,14 @@ def fits_in_memory(plan: runner.Plan, usable_bytes: int) -> Callable[[str, str],
     return check
 
 
-def find_default_pair(backend: str, quick: bool, usable_bytes: int) -> tuple[PairPlan | None, pairs.Search]:
+def find_default_pair(backend: str, quick: bool, usable_bytes: int,
+                      prompt_sets: tuple[str, ...] = PROMPT_SETS) -> tuple[PairPlan | None, pairs.Search]:
     """On a GPU backend, the plan for the first known pair cached and fitting in memory."""
     base = runner.default_plan(backend, quick)
     search = pairs.find_cached_pair(fits_in_memory(base, usable_bytes))
     if search.pair is None:
         return None, search
-    plan = pair_plan(backend, quick, search.pair.target, search.pair.draft,
+    plan = pair_plan(backend, quick, search.pair.target, search.pair.draft, prompt_sets,
                      found=f"found in the Hugging Face cache at {search.cache}")
     return plan, search
 
@@ -134,6 +138,7 @@ def record_pair(store: ResultsStore, plan: PairPlan) -> None:
         "target": plan.target, "draft": plan.draft,
         "target_arg": plan.target_arg, "draft_arg": plan.draft_arg, "found": plan.found,
         "prompt_sets": list(plan.prompt_sets), "temperatures": list(plan.temperatures),
+        "acceptance_prompts": plan.max_prompts,
         "stored": {"target": models.stored_format(models.resolve(plan.target_arg)),
                    "draft": models.stored_format(models.resolve(plan.draft_arg))},
         "context": plan.base.context, "spec_batches": list(plan.base.spec_batches),
@@ -194,7 +199,8 @@ def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | Non
             cfg = spec.SpecConfig(target=plan.target_arg, draft=plan.draft_arg, batches=base.spec_batches,
                                   gammas=base.spec_gammas, mode="real", context=base.context,
                                   new_tokens=base.spec_tokens, repeats=base.spec_repeats,
-                                  prompts=prompt_set, temperatures=plan.temperatures)
+                                  prompts=prompt_set, temperatures=plan.temperatures,
+                                  max_prompts=plan.max_prompts)
             store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), usable()))
 
         run_stage(f"spec {plan.target} on {prompt_set}", measure_spec)

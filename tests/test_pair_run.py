@@ -57,17 +57,12 @@ def test_the_default_run_takes_the_first_cached_pair_that_fits(tmp_path, monkeyp
     assert plan is None and search.to_dict()["target"] is None
 
 
-def test_a_pair_plan_refuses_a_dense_target_and_foreign_vocabularies(tmp_path, own_pair):
+def test_a_pair_plan_refuses_what_it_cannot_measure(own_pair):
     target, draft = own_pair
     with pytest.raises(BadInput, match="is not an MoE model"):
         pair.pair_plan("cpu", True, str(draft), str(draft))
     with pytest.raises(BadInput, match="--draft tiny-draft has no weights here"):
         pair.pair_plan("cpu", True, str(target), "tiny-draft")
-    foreign = qwen2_pair(tmp_path, hidden=64)[1]
-    config = json.loads((foreign / "config.json").read_text())
-    (foreign / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
-    with pytest.raises(BadInput, match="different vocabularies"):
-        pair.pair_plan("cpu", True, str(target), str(foreign))
     with pytest.raises(BadInput, match="prompt file not found: nope.txt"):
         pair.pair_plan("cpu", True, str(target), str(draft), ("code", "nope.txt"))
     plan = pair.pair_plan("cpu", True, str(target), str(draft), ("chat",))
@@ -80,12 +75,20 @@ def test_a_pair_plan_refuses_a_dense_target_and_foreign_vocabularies(tmp_path, o
     (["--draft", "x"], "--target and --draft go together"),
     (["--target", "a", "--draft", "b", "--models", "tiny-moe"], "--models and --full choose zoo models"),
     (["--target", "a", "--draft", "b", "--prompts", ","], "name at least one prompt set"),
+    (["--models", "tiny-moe", "--prompts", "code"], "--prompts goes with a pair"),
 ])
 def test_run_pair_usage_errors(tmp_path, args, fragment):
     result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path), *args])
     assert result.exit_code == 2
     assert fragment in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_prompts_without_a_pair_on_cpu_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path), "--prompts", "chat"])
+    assert result.exit_code == 2
+    assert "--prompts needs --target and --draft here" in result.stderr
+    assert not list(tmp_path.rglob("results.json"))
 
 
 def test_run_pair_of_an_unknown_model_is_one_line(tmp_path):

@@ -149,8 +149,11 @@ def test_ridge_in_tokens_per_format():
     assert theory.ridge_in_tokens(30, "fp16") == pytest.approx(30)
     assert theory.ridge_in_tokens(30, "8bit") == pytest.approx(30 * 1.0625 / 2)
     assert theory.ridge_in_tokens(36, "4bit") == pytest.approx(36 / 3.5556, rel=1e-3)
-    with pytest.raises(ValueError, match="unknown weight format"):
-        theory.ridge_in_tokens(30, "3bit")
+    # Checkpoints of other bit widths (3-, 5-, 6-bit are published) with mlx-lm's groups of 64.
+    assert theory.ridge_in_tokens(32, "3bit") == pytest.approx(32 * (3.5 / 8) / 2)
+    for unknown in ("fp8", "12bit", "bit"):
+        with pytest.raises(ValueError, match="unknown weight format"):
+            theory.ridge_in_tokens(30, unknown)
 
 
 @pytest.mark.parametrize("experts, top_k", [(0, 1), (8, 0), (8, 9)])

@@ -187,6 +187,18 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     return blocks
 
 
+def _counted(docs: dict[str, dict]) -> str:
+    """How many prompts of each set the acceptance pass decoded."""
+    parts = []
+    for prompt_set, doc in docs.items():
+        measured = {a["prompts_measured"] for a in doc.get("acceptance") or []}
+        total = (doc.get("prompts") or {}).get("count")
+        if measured:
+            parts.append(f"{max(measured)} of the {total} prompts of {prompt_set}" if total else
+                         f"{max(measured)} prompts of {prompt_set}")
+    return "; ".join(parts)
+
+
 def _acceptance(docs: dict[str, dict], figures: dict) -> list:
     rows, notes = [], []
     for prompt_set, doc in docs.items():
@@ -212,7 +224,7 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
     blocks = [("h3", "Acceptance per prompt set and temperature"),
               ("table", ["prompt set", "temperature", "gamma", "rule", "how", "rounds",
                          "accepted at position 1..gamma", "accepted/round", "sigma", "alpha"], rows),
-              ("p", "Untimed pass over every prompt of the set, batch 1. Accepted at position i: the share "
+              ("p", f"Untimed pass, batch 1, over {_counted(docs)}. Accepted at position i: the share "
                     "of rounds whose i-th draft token was accepted. alpha is solved from the mean accepted "
                     "draft tokens per round, L = alpha(1 - alpha^gamma)/(1 - alpha); sigma = (L+1)/(gamma+1).")]
     if notes:
