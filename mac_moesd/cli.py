@@ -614,13 +614,18 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, t
         rates = plan.measured_rates((out or Path("reports")) / machine.slug / "results.json")
         if rates is None and machine.spec is not None:
             rates = plan.chip_rates(machine.spec)
+    found = None
     if target:
-        chosen = pair.pair_plan(backend, quick, target, draft).base
-    else:
-        chosen = runner.default_plan(backend, quick, full)
+        found = pair.pair_plan(backend, quick, target, draft)
+    elif not chip and backend != "cpu" and not models and not full:
+        found, _ = pair.find_default_pair(backend, quick, usable.usable_bytes)  # as `run` would
+    chosen = found.base if found else runner.default_plan(backend, quick, full)
     if models:
         chosen = runner.with_models(chosen, tuple(m.strip() for m in models.split(",") if m.strip()))
-    return plan.dry_run(chosen, backend, name, total, usable, rates)
+    document = plan.dry_run(chosen, backend, name, total, usable, rates)
+    if found is not None:
+        document["pair"] = {"target": found.target, "draft": found.draft, "found": found.found}
+    return document
 
 
 def hardware_slug() -> str:

@@ -107,6 +107,7 @@ def test_dry_run_of_a_pair(own_pair):
     assert [s["stage"] for s in doc["stages"]] == ["roofline", f"sweep {target}", f"routing {target}",
                                                    f"spec {target}"]
     assert doc["bits"] is None and doc["stages"][1]["models"] == [str(target), str(draft)]
+    assert doc["pair"] == {"target": "my-moe", "draft": "my-draft", "found": "given on the command line"}
     assert zoo.expert_shape(models.resolve(str(target)).config) == (8, 2)
 
 
