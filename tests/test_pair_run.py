@@ -113,18 +113,20 @@ def test_dry_run_of_a_pair(own_pair):
 
 def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_path, own_pair):
     from mac_moesd.inputs.prompts import load_prompts
-    from mac_moesd.measure import routing
+    from mac_moesd.measure import routing, routing_trace
 
     target, _ = own_pair
     cfg = routing.RoutingConfig(model=str(target), prompts="chat", batches=(1, 2, 4, 64), tokens=(1, 2, 4),
-                                length=16)
-    doc = routing.run_routing(cfg, None, trace=tmp_path / "chat.npz")
+                                length=16, save_trace=tmp_path / "chat.npz")
+    doc = routing.run_routing(cfg, None)
     assert doc["text"] == "prompt set chat" and doc["token_ids"] == "tokenizer"
     # The byte-level tokenizer gives one id per byte: every chat prompt is longer than 16.
     assert doc["sequences"] == len(load_prompts("chat").prompts) == 30
     assert sorted({w["batch"] for w in doc["windows"]}) == [1, 2, 4]  # 64 sequences do not exist
     assert 0 < doc["correlation"] <= 1 and 0 < doc["batch_correlation"] <= 1
-    assert doc["trace"] == str(tmp_path / "chat.npz")
+    trace = routing_trace.load_trace(tmp_path / "chat.npz")  # what `sweep --routing trace:FILE` replays
+    assert (trace.sequences, trace.length, trace.model) == (30, 16, "my-moe")
+    assert trace.text == "prompt set chat"
 
     short = tmp_path / "short.txt"
     short.write_text("hi\n\nyo\n\nok then")
