@@ -252,9 +252,14 @@ def open_store(out: Path | None, per_chip: bool = False):
 @with_options(budget_options)
 @memory_limit_option
 @out_option()
+@click.option("--parallel", type=click.Choice(["pipeline", "tensor", "expert"]), default=None,
+              help="Under mlx.launch: shard the model over its ranks this way [default: one machine].")
+@click.option("--rank-timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
+              help="With --parallel: seconds a rank waits for the others at any step, loading "
+                   "included, before all exit [default: 300].")
 @json_option
 def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, routing, gather,
-                  quick, seconds_per_point, memory_limit, out, as_json) -> None:
+                  quick, seconds_per_point, memory_limit, out, parallel, rank_timeout, as_json) -> None:
     """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
 
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
@@ -268,6 +273,11 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
                       gamma=gamma, budget=budget_from(quick, seconds_per_point), routing=routing,
                       gather=gather)
     validate(cfg)
+    if rank_timeout is not None and not parallel:
+        raise click.UsageError("--rank-timeout goes with --parallel")
+    if parallel:
+        cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, as_json)
+        return
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
     progress = ProgressBar(f"sweep {model}")
@@ -278,6 +288,24 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
         progress.close()
     document["meta"] = meta
     document["results_file"] = str(store.path)
+    for message in document["warnings"]:
+        warn(message)
+    emit(document, as_json, render_sweep)
+
+
+def cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, as_json) -> None:
+    """The sweep of a model sharded over the ranks of mlx.launch; only rank 0 prints."""
+    from mac_moesd.machine import memory
+    from mac_moesd.measure import distributed
+
+    progress = ProgressBar(f"sweep {cfg.model} ({parallel} parallel)")
+    try:
+        document = distributed.run_cluster_sweep(cfg, parallel, out, memory.limit_bytes(memory_limit),
+                                                 rank_timeout or distributed.DEFAULT_TIMEOUT_S, progress)
+    finally:
+        progress.close()
+    if document is None:
+        return
     for message in document["warnings"]:
         warn(message)
     emit(document, as_json, render_sweep)

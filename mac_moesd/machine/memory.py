@@ -289,7 +289,8 @@ def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], con
     smaller batch runs on a copy of its rows; a pipelined sample grows the cache by
     ``extra_tokens`` before its rollback."""
     config, db = built.config, _dtype_bytes(built)
-    per_slot = kv_bytes_per_slot(config, db) * built.layers
+    # The config's layers are the ones this process caches (a pipeline stage holds fewer).
+    per_slot = kv_bytes_per_slot(config, db) * config["num_hidden_layers"]
     big = max(batches)
     rows = max((b for b in batches if b < big), default=0)
     prefill = prefill_forwards(context, chunk)

@@ -34,6 +34,8 @@ __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
 PREFILL_CHUNK = 512
 PIPELINED_STEPS = 8  # forwards per pipelined sample; the first graph build is spread over them
+# How a target model is built: models.build, or a sharded build (measure.distributed).
+Builder = Callable[..., models.Built]
 
 
 class Progress:
@@ -85,14 +87,15 @@ def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
     return estimate(built, cfg)["peak_bytes"]
 
 
-def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | None) -> list[int]:
+def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | None,
+                build: Builder = models.build) -> list[int]:
     """Which layer counts to measure: [full], or [N, 2N] to extrapolate, or refuse."""
     full = int(source.config["num_hidden_layers"])
 
     def fits(n: int) -> bool:
         if available is None:
             return True
-        return estimate_bytes(models.build(source, cfg.dtype, cfg.bits, n), cfg) <= available
+        return estimate_bytes(build(source, cfg.dtype, cfg.bits, n), cfg) <= available
 
     if cfg.layers is not None:
         plan = [full] if 2 * cfg.layers > full else [cfg.layers, 2 * cfg.layers]
@@ -104,7 +107,7 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
             n //= 2
         plan = [max(n, 1), 2 * max(n, 1)]
     if not fits(plan[-1]):
-        need = estimate_bytes(models.build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
+        need = estimate_bytes(build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
         raise MacMoesdError(
             f"{source.name} with {plan[-1]} layers needs about {memory.human(need)} but "
             f"{memory.human(available)} is usable here; try --layers 1, --bits 4, "
@@ -366,19 +369,21 @@ def run_sweep(
     store: ResultsStore,
     available_bytes: int | None,
     progress: Progress = Progress(),
+    build: Builder = models.build,
 ) -> dict:
-    """Measure (resuming what ``store`` has) and return the sweep document of DESIGN.md section 3."""
+    """Measure (resuming what ``store`` has) and return the sweep document of DESIGN.md section 3.
+    ``build`` builds the target (the drafter is always built whole)."""
     rng = random.Random(cfg.seed)
     source = validate(cfg)
     mode = parse_routing(cfg.routing)
-    plan = plan_layers(source, cfg, available_bytes)
+    plan = plan_layers(source, cfg, available_bytes, build)
     grid = len(cfg.batches) * len(cfg.tokens)
     progress.expect(grid * len(plan) + len(cfg.batches) * (2 if cfg.draft else 1))
     entries, footprint_full = [], None
     for layers in plan:
         memory.start_stage()
-        built = models.build(source, cfg.dtype, cfg.bits, layers, seed=cfg.seed)
-        footprint_full = footprint_full or models.build(source, cfg.dtype, cfg.bits).footprint
+        built = build(source, cfg.dtype, cfg.bits, layers, seed=cfg.seed)
+        footprint_full = footprint_full or build(source, cfg.dtype, cfg.bits).footprint
         entry = store.entry("sweeps", entry_key(built, cfg.context, mode.key, cfg.gather),
                             entry_header(built, cfg.context, mode.label, cfg.gather))
         need = estimate(built, cfg)

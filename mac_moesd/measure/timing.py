@@ -12,17 +12,18 @@ commit and wait on Metal) is spread over K; ``per_launch`` divides it out, and K
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["Budget", "Drift", "Measurement", "Point", "calibrate", "drift", "launches", "measure",
-           "per_launch", "summarise"]
+__all__ = ["Budget", "Drift", "Measurement", "Point", "Ranks", "calibrate", "drift", "launches",
+           "measure", "per_launch", "summarise", "synchronised"]
 
 DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
 SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
@@ -121,15 +122,42 @@ def summarise(samples: list[float], target_ci: float, warmups: int) -> Measureme
     )
 
 
+class Ranks(Protocol):
+    """The processes of a sharded model, timed as one (``measure.distributed``)."""
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    def slowest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds``, the same value on each rank."""
+
+
+_ranks: Ranks | None = None
+
+
+@contextlib.contextmanager
+def synchronised(ranks: Ranks) -> Iterator[None]:
+    """Time every sample on all ranks together: each starts after a barrier and counts as the
+    slowest rank's time. All ranks then see the same samples, so their adaptive repeat counts,
+    and the collectives those calls run, stay in step."""
+    global _ranks
+    previous, _ranks = _ranks, ranks
+    try:
+        yield
+    finally:
+        _ranks = previous
+
+
 def time_once(point: Point) -> float:
-    if point.build_untimed:
-        graph = point.run()
-        start = time.perf_counter()
-        mx.eval(graph)
-    else:
-        start = time.perf_counter()
-        mx.eval(point.run())
+    ranks = _ranks
+    graph = point.run() if point.build_untimed else None
+    if ranks is not None:
+        ranks.barrier()
+    start = time.perf_counter()
+    mx.eval(graph if point.build_untimed else point.run())
     elapsed = time.perf_counter() - start
+    if ranks is not None:
+        elapsed = ranks.slowest(elapsed)
     if point.reset is not None:
         point.reset()
     return elapsed
