@@ -3,6 +3,8 @@
 Format history (``schema``):
 - ``mac-moesd/1``: ``meta`` plus sections ``sweeps`` (keyed by model/dtype/bits/context/layers,
   each with ``points`` keyed ``"<batch>x<tokens>"``), ``draft``, ``reject`` and later sections.
+  A sharded sweep's file has ``meta.cluster`` (ranks, backend, hosts, parallel), a ``cluster``
+  section and ``communication`` (per model, per point: each collective's count and time).
 
 Rerunning the same command resumes: points already present under the same key are skipped. A file
 that is corrupt, of another schema, or measured on another machine or MLX version is reported and
@@ -86,6 +88,17 @@ def write_atomic(path: Path, document: dict) -> None:
         raise
 
 
+def cluster_shape(meta: dict) -> tuple | None:
+    """(ranks, backend, parallel) of a sharded run's ``meta``; None for one machine."""
+    c = meta.get("cluster")
+    return (c["ranks"], c["backend"], c["parallel"]) if c else None
+
+
+def _say(meta: dict) -> str:
+    shape = cluster_shape(meta)
+    return "one machine" if shape is None else "{} ranks over {}, {} parallel".format(*shape)
+
+
 def incompatibility(old: dict, new: dict) -> str | None:
     """Why two ``meta`` blocks cannot share a results file, or None."""
     for key in COMPATIBLE_KEYS:
@@ -95,6 +108,8 @@ def incompatibility(old: dict, new: dict) -> str | None:
         a, b = old.get("versions", {}).get(key), new.get("versions", {}).get(key)
         if a != b:
             return f"{key} {a} there, {b} here"
+    if cluster_shape(old) != cluster_shape(new):
+        return f"{_say(old)} there, {_say(new)} here"
     if old.get("blas", {}).get("name") != new.get("blas", {}).get("name"):
         return f"BLAS {old.get('blas', {}).get('name')} there, {new.get('blas', {}).get('name')} here"
     return None

@@ -86,6 +86,24 @@ ZOO: tuple[ZooEntry, ...] = (
             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
         },
     }, _hf("deepseek-ai/DeepSeek-V2-Lite")),
+    # Too big for one Mac at 4-bit in a measured run's working set with room to spare; the
+    # model people shard over several (sweep --parallel, run --dry-run --ranks). The checkpoint's
+    # multi-token-prediction layer (num_nextn_predict_layers) is dropped by mlx-lm and left out.
+    ZooEntry("deepseek-v3", "moe", {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "moe_layer_freq": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 8,
+        "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "vocab_size": 129280, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 163840, "tie_word_embeddings": False,
+        "rope_scaling": {
+            "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+    }, _hf("deepseek-ai/DeepSeek-V3")),
     ZooEntry("qwen3-30b-a3b", "moe", {
         "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
