@@ -516,9 +516,15 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
               help="With --dry-run: plan for this chip of the table, e.g. 'Apple M1', 'Apple M3 Pro 18c'.")
 @click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
               help="With --dry-run: the machine's RAM in GiB (required with --chip).")
+@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --dry-run: plan each MoE sweep sharded over this many such machines.")
+@click.option("--parallel", type=click.Choice(["pipeline", "tensor", "expert"]), default="tensor",
+              show_default=True, help="With --ranks: how the model is split.")
+@click.option("--link-gbps", type=click.FloatRange(0, min_open=True), default=None,
+              help="With --ranks: link between machines in Gb/s [default: 80, Thunderbolt 5].")
 @json_option
 def run_command(quick, full, models, target, draft, prompt_sets, out, memory_limit, dry_run, chip,
-                memory_gib, as_json) -> None:
+                memory_gib, ranks, parallel, link_gbps, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
 
     With --target and --draft, all of it for your own pair instead: the target's sweep with the
@@ -546,8 +552,13 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
     sets = tuple(p.strip() for p in (prompt_sets or ",".join(pair.PROMPT_SETS)).split(",") if p.strip())
     if not sets:
         raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
+    if ranks > 1 and not dry_run:
+        raise click.UsageError("--ranks plans a cluster with --dry-run; measure one with "
+                               "`mlx.launch -n N -- mac-moesd sweep MODEL --parallel MODE`")
     if dry_run:
-        document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target, draft)
+        cluster = (ranks, parallel, link_gbps) if ranks > 1 else None
+        document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target, draft,
+                                    cluster)
         emit(document, as_json, render_plan)
         return
     if as_json:
@@ -612,8 +623,9 @@ def memory_limit_bytes(limit_gib: float | None) -> int | None:
 
 
 def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target=None,
-                     draft=None) -> dict:
-    """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated."""
+                     draft=None, cluster=None) -> dict:
+    """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated.
+    ``cluster`` (ranks, parallel, link Gb/s): the sharded sweeps over that many such machines."""
     from mac_moesd.machine import hardware, memory
     from mac_moesd import pair, plan
     from mac_moesd import run as runner
@@ -650,6 +662,12 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, t
     chosen = found.base if found else runner.default_plan(backend, quick, full)
     if models:
         chosen = runner.with_models(chosen, tuple(m.strip() for m in models.split(",") if m.strip()))
+    if cluster:
+        from mac_moesd import plan_cluster
+
+        ranks, parallel, link = cluster
+        return plan_cluster.dry_run_cluster(chosen, backend, name, total, usable, rates, ranks, parallel,
+                                            link or plan_cluster.LINK_GBPS)
     document = plan.dry_run(chosen, backend, name, total, usable, rates)
     if found is not None:
         document["pair"] = {"target": found.target, "draft": found.draft, "found": found.found}

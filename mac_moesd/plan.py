@@ -79,11 +79,12 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
     weight_bytes = fp.bytes_dense_streamed
     if fp.experts:
         weight_bytes += theory.activated_experts(n, fp.experts, fp.top_k) * fp.bytes_per_expert
-    per_slot = memory.kv_bytes_per_slot(config, models.DTYPES[built.dtype].size) * built.layers
+    layers = config["num_hidden_layers"]  # those this process runs (a pipeline stage: fewer)
+    per_slot = memory.kv_bytes_per_slot(config, models.DTYPES[built.dtype].size) * layers
     moved = weight_bytes + batch * context * per_slot
     heads = config.get("num_attention_heads", 1)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    flop = 2 * fp.params_active * n + 4 * n * context * heads * head_dim * built.layers
+    flop = 2 * fp.params_active * n + 4 * n * context * heads * head_dim * layers
     return max(moved / rates.bandwidth_bytes_s, flop / rates.flops)
 
 

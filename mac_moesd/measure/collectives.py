@@ -28,15 +28,29 @@ OPS = ("all_sum", "all_gather", "sendrecv")
 HOPS_PER_SAMPLE = 8  # ping-pong hops per timed call
 
 
+def _stand_in(name: str, ranks: int):
+    """What a collective returns, in shape and dtype, without a group to run it on."""
+    def call(x, *args, **kwargs):
+        if name == "all_gather":
+            return mx.zeros((x.shape[0] * ranks, *x.shape[1:]), dtype=x.dtype)
+        return x
+
+    return call
+
+
 @contextlib.contextmanager
-def traced() -> Iterator[list[dict]]:
-    """Record (op, shape, dtype) of every collective called inside; each call still runs."""
+def traced(planned_ranks: int | None = None) -> Iterator[list[dict]]:
+    """Record (op, shape, dtype) of every collective called inside. Each call still runs; with
+    ``planned_ranks`` none runs (a stand-in of the right shape comes back), for planning a
+    model split by ``sharding`` for a group that does not exist here."""
     calls: list[dict] = []
     originals = {name: getattr(mx.distributed, name) for name in TRACED if hasattr(mx.distributed, name)}
 
     def counting(name, fn):
+        run = fn if planned_ranks is None else _stand_in(name, planned_ranks)
+
         def call(*args, **kwargs):
-            out = fn(*args, **kwargs)
+            out = run(*args, **kwargs)
             calls.append({"op": name, "shape": list(out.shape), "dtype": str(out.dtype).split(".")[-1]})
             return out
 

@@ -424,10 +424,12 @@ def render_compare(doc: dict) -> str:
 
 def render_plan(doc: dict) -> str:
     """The dry run: one line per stage, peak memory against usable, and the ETA."""
+    machines = f"{doc['ranks']} x " if doc.get("ranks") else ""
+    per = " each" if doc.get("ranks") else ""
     lines = [
-        f"{doc['chip']} ({doc['backend']}, {doc['dtype']}"
-        + (f", {doc['bits']}-bit" if doc["bits"] else "") + f"): memory {gib(doc['memory_bytes'])}, "
-        f"usable {gib(doc['usable_bytes'])}",
+        f"{machines}{doc['chip']} ({doc['backend']}, {doc['dtype']}"
+        + (f", {doc['bits']}-bit" if doc["bits"] else "") + f"): memory {gib(doc['memory_bytes'])}{per}, "
+        f"usable {gib(doc['usable_bytes'])}{per}",
         f"rates: {doc['rates']['bandwidth_bytes_s'] / 1e9:.0f} GB/s, {doc['rates']['flops'] / 1e12:.2f} "
         f"TFLOP/s ({doc['rates']['source']})",
         f"{'stage':<28} {'layers':>9} {'peak':>10} {'fits':>5} {'eta':>8}",
@@ -441,6 +443,16 @@ def render_plan(doc: dict) -> str:
             continue
         lines.append(f"{s['stage']:<28} {layers:>9} {gib(s['peak_bytes']):>10} "
                      f"{'yes' if s['fits'] else 'NO':>5} {s['eta_s']:>7.0f}s")
+        for r in s.get("ranks", []):
+            lines.append(f"  rank {r['rank']}: {r['layers']} layers, weights {gib(r['weights_bytes'])}, "
+                         f"peak {gib(r['peak_bytes'])} ({r['phase']})")
+        if s.get("comm_share_batch1"):
+            shares = ", ".join(f"t={t}: {v:.1%}" for t, v in s["comm_share_batch1"].items())
+            lines.append(f"  link time per batch-1 forward (bandwidth only): {shares}")
+    if doc.get("ranks"):
+        lines.append(f"{doc['parallel']} parallel over {doc['ranks']} machines; link "
+                     f"{doc['link']['gbps']:g} Gb/s ({doc['link']['source']}); whole model: "
+                     + ", ".join(f"{m} {gib(b)}" for m, b in doc["whole_model_bytes"].items()))
     lines.append(f"total ETA {doc['eta_s']:.0f} s ({doc['eta_s'] / 60:.1f} min); "
                  f"not estimated: {', '.join(doc['not_estimated'])}")
     return "\n".join(lines)
