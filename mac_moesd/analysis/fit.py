@@ -15,6 +15,9 @@ are None until T_D(B,1) is measured.
 
 The fit is to synchronous forwards; speedups are predicted with the timing each loop experiences
 (``pipelining``): plain decode and drafter steps pipelined, as mlx-lm runs them.
+
+A sharded sweep (``sweep --parallel``) adds its measured communication term C(n)
+(``analysis.cluster``) to T_T, fixed, not fitted; the document then has a ``cluster`` section.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from mac_moesd.machine import hardware
-from mac_moesd.analysis import pipelining, theory
+from mac_moesd.analysis import cluster, pipelining, theory
 from mac_moesd.analysis.digest import Digest, full_depth_points
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -99,6 +102,8 @@ class FitInputs:
     sort_threshold_source: str = "default"
     missing: tuple[str, ...] = ()  # what the fit could not use, and what it would take
     platform: str = "this machine"  # chip, backend and MLX versions the sweep ran on
+    comm: cluster.CommTerm | None = None  # measured communication per forward (a sharded sweep)
+    cluster: dict | None = None  # ranks, backend, hosts, parallel of a sharded sweep
     target_pipelined: tuple[tuple[int, int, float], ...] = ()  # (batch, tokens, seconds per forward)
     draft_pipelined: tuple[tuple[int, float], ...] = ()
 
@@ -155,7 +160,7 @@ class FitResult:
         v = self.variant(name or self.chosen)
         i = self.inputs
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
-                           i.sort_threshold, i.drafted, self.pipelining)
+                           i.sort_threshold, i.drafted, self.pipelining, i.comm)
 
 
 @dataclass(frozen=True)
@@ -171,27 +176,31 @@ class FittedModel:
     sort_threshold: int
     drafted: bool
     pipelining: pipelining.Pipelining = pipelining.Pipelining()
+    comm: cluster.CommTerm | None = None  # a sharded forward's measured communication
 
-    def target(self, batch, tokens, context: int, pipelined: bool = False) -> np.ndarray:
-        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L; with
-        ``pipelined``, less the graph-building time a pipelined loop hides."""
+    def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True) -> np.ndarray:
+        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
+        sharded forward's communication C(n) (``comm=False``: a free link); with ``pipelined``,
+        less the graph-building time a pipelined loop hides."""
         batch = np.asarray(batch, dtype=float)
         n = batch * np.asarray(tokens, dtype=float)
+        link = self.comm.time(n) if comm and self.comm is not None else 0.0
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
                                         self.sort_threshold)
-                + theory.kv_time(batch, context, self.k_kv))
+                + theory.kv_time(batch, context, self.k_kv) + link)
         return pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
-                self_draft: bool = False) -> np.ndarray:
+                self_draft: bool = False, comm: bool = True) -> np.ndarray:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
         (``pipelining``); a self-draft's step is the target's."""
         if not self.drafted:
             raise MacMoesdError(NO_DRAFT)
-        plain = self.target(batch, 1, context, pipelined=True)
-        verify_t = self.target(batch, verify_tokens(gamma, verify), context, pipelined=True)
+        plain = self.target(batch, 1, context, pipelined=True, comm=comm)
+        verify_t = self.target(batch, verify_tokens(gamma, verify), context, pipelined=True, comm=comm)
         if self_draft:
-            draft = pipelining.draft_step(self.target(batch, 1, context), self.pipelining.target_s, gamma)
+            draft = pipelining.draft_step(self.target(batch, 1, context, comm=comm),
+                                          self.pipelining.target_s, gamma)
         else:
             draft = pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
                                           self.pipelining.draft_s, gamma)
@@ -204,9 +213,11 @@ class FittedModel:
         name = variant or doc["chosen"]
         v = next(x for x in doc["variants"] if x["name"] == name)
         params = {k: (0.0 if val is None else val) for k, val in v["params"].items()}
+        comm = doc.get("communication")
         return cls(theory.TimeModel(**params), v["k_kv"], doc["experts"], doc["top_k"],
                    doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"],
-                   pipelining.Pipelining.from_dict(doc.get("pipelining")))
+                   pipelining.Pipelining.from_dict(doc.get("pipelining")),
+                   cluster.CommTerm.from_dict(comm) if comm else None)
 
 
 # ---- reading a results file ----
@@ -250,6 +261,9 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
 
     fmt = view.weight_format
     ridge, ridge_source, bandwidth, bandwidth_source = _roofline_or_spec(data, full["dtype"])
+    shape = data.get("meta", {}).get("cluster")
+    # A sharded footprint is the largest rank's; a pipeline's stages stream theirs in turn.
+    stages = shape["ranks"] if shape and shape["parallel"] == "pipeline" else 1
     if ridge is not None:
         ridge_tokens = theory.ridge_in_tokens(ridge, fmt)
     else:
@@ -283,8 +297,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         ridge_tokens=ridge_tokens,
         bandwidth=bandwidth,
         bandwidth_source=bandwidth_source,
-        dense_bytes=footprint["bytes_dense_streamed"],
-        expert_bytes=footprint["bytes_per_expert"],
+        dense_bytes=footprint["bytes_dense_streamed"] * stages,
+        expert_bytes=footprint["bytes_per_expert"] * stages,
         draft_bytes=draft["footprint"]["bytes_dense_streamed"] if draft else None,
         target=target,
         draft=[(b, s) for b, _, s in _as_pairs(draft["points"])] if draft and rejects else [],
@@ -297,6 +311,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         sort_threshold_source=threshold_source,
         missing=tuple(missing),
         platform=_platform(data.get("meta", {})),
+        comm=cluster.comm_term(data, name),
+        cluster=shape,
         target_pipelined=tuple(target_pipelined),
         draft_pipelined=tuple((b, s) for b, _, s in _as_pairs(draft.get("pipelined_points", {})))
         if draft and rejects else (),
@@ -415,6 +431,7 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
     tb = np.array([b for b, _, _ in train], dtype=float)
     tn = np.array([b * t for b, t, _ in train], dtype=float)
     ty = np.array([s for _, _, s in train])
+    tc = inputs.comm.time(tn) if inputs.comm is not None else 0.0
     db = np.array([b for b, _ in inputs.draft], dtype=float)
     dy = np.array([s for _, s in inputs.draft])
     rb = np.array([b for b, _ in inputs.reject], dtype=float)
@@ -429,7 +446,7 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
         v = full_vector(x)
         m = theory.TimeModel.from_vector(v[:-1])
         return np.concatenate([
-            (m.target_time(tn, E, K, R, loads, thr) + theory.kv_time(tb, L, v[-1])) / ty - 1,
+            (m.target_time(tn, E, K, R, loads, thr) + theory.kv_time(tb, L, v[-1]) + tc) / ty - 1,
             m.draft_time(db, R) / dy - 1,
             m.reject_time(rb) / ry - 1,
         ])
@@ -454,7 +471,8 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
     def rows(points):
         out = []
         for b, t, s in points:
-            pred = float(model.target_time(b * t, E, K, R, loads, thr) + theory.kv_time(b, L, k_kv))
+            link = float(inputs.comm.time(b * t)) if inputs.comm is not None else 0.0
+            pred = float(model.target_time(b * t, E, K, R, loads, thr) + theory.kv_time(b, L, k_kv) + link)
             out.append({"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred, "error": pred / s - 1})
         return out
 
@@ -631,7 +649,27 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "peaks": peaks(predictions),
         "sparsity": sparsity_sweep(chosen, i.context, verify=i.verify),
         "paper_comparison": paper_comparison(result, alphas),
+        "communication": i.comm.to_dict() if i.comm is not None else None,
+        "cluster": cluster_section(chosen, i),
     }
+
+
+def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
+    """Predicted SD on the cluster the sweep ran on, with and without its communication."""
+    if inputs.comm is None or inputs.cluster is None:
+        return None
+    L, verify = inputs.context, inputs.verify
+
+    def target(batch, tokens):
+        return model.target(batch, tokens, L, pipelined=True)
+
+    def speedup(batch, gamma, alpha, with_comm):
+        if not model.drafted:
+            return None
+        return float(model.speedup(batch, gamma, alpha, L, verify, comm=with_comm)[()])
+
+    return {**inputs.cluster, "verify_tokens": verify,
+            "rows": cluster.cluster_rows(target, model.comm, speedup, lambda g: verify_tokens(g, verify))}
 
 
 def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):

@@ -32,11 +32,18 @@ def load_folder(folder: Path) -> dict:
 
 
 def machine_row(data: dict, label: str) -> dict:
+    """One machine, or a cluster of n (``ranks`` > 1): a sharded sweep's results set beside a
+    single machine's, its predicted speedups including the measured communication."""
     d = Digest(data)
     roof = d.roofline or {}
+    shape = d.meta.get("cluster")
     row = {
         "label": label,
-        "chip": d.meta.get("chip"),
+        "chip": (f"{shape['ranks']} x {d.meta.get('chip')} ({shape['parallel']}, {shape['backend']})"
+                 if shape else d.meta.get("chip")),
+        "ranks": shape["ranks"] if shape else 1,
+        "parallel": shape["parallel"] if shape else None,
+        "comm_share_verify": {},
         "backend": d.meta.get("backend"),
         "measured": True,
         "bandwidth_gbs": roof.get("bandwidth_ceiling_gbs"),
@@ -51,6 +58,11 @@ def machine_row(data: dict, label: str) -> dict:
         row["speedup_batch1"][fit["model"]] = {"gamma": best["gamma"], "speedup": best["speedup"]}
         row["curves"][fit["model"]] = [(p["batch"], p["speedup"]) for p in fit["predictions"]
                                        if p["gamma"] == GAMMA and p["alpha"] == ALPHA]
+    for fit in d.fits:
+        rows = (fit.get("cluster") or {}).get("rows", [])
+        share = next((r["comm_share_verify"] for r in rows if r["batch"] == 1 and r["gamma"] == GAMMA), None)
+        if share is not None:
+            row["comm_share_verify"][fit["model"]] = share
     return row
 
 
@@ -61,6 +73,7 @@ def compare(folders: list[Path], reference: bool = False) -> dict:
     if reference:
         for gpu in REFERENCE_GPUS:
             rows.append({"label": "published spec, not measured", "chip": gpu["chip"], "backend": "cuda",
+                         "ranks": 1, "parallel": None, "comm_share_verify": {},
                          "measured": False, "bandwidth_gbs": gpu["bandwidth_gbs"], "tflops": gpu["tflops"],
                          "ridge_flop_per_byte": gpu["tflops"] * 1e12 / (gpu["bandwidth_gbs"] * 1e9),
                          "speedup_batch1": {}, "curves": {}})

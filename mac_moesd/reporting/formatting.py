@@ -419,6 +419,10 @@ def render_compare(doc: dict) -> str:
         rows.append(cells)
     note = (f"S(1): predicted SD speedup at batch 1 for the best gamma, alpha={doc['alpha']}. "
             "Figures: " + ", ".join(doc["figures"].values()))
+    shares = [(r["chip"], m, v) for r in doc["machines"] for m, v in r.get("comm_share_verify", {}).items()]
+    if shares:
+        note += "\ncommunication share of a batch-1 verify forward (gamma=4): " + "; ".join(
+            f"{chip}, {m}: {v:.1%}" for chip, m, v in shares)
     return table(headers, rows) + "\n" + note
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mac_moesd.analysis import fit as fit_module
 from mac_moesd.reporting import pair_sections, plots
+from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.analysis import theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.reporting.formatting import pipelining_lines, seconds
@@ -409,9 +410,9 @@ def _figure(figures: dict, name: str, caption: str) -> list:
 
 def build_blocks(data: dict, figures: dict[str, Path]) -> list:
     d = Digest(data)
-    return (_title(d) + pair_sections.pair_blocks(d, figures) + _verdict(d) + _questions(d)
-            + _roofline(d, figures) + _shape(d, figures) + _routing(d, figures) + _what_ifs(d, figures)
-            + _fit(d, figures) + _spec(d) + _method(d))
+    return (_title(d) + pair_sections.pair_blocks(d, figures) + _verdict(d) + cluster_blocks(d)
+            + _questions(d) + _roofline(d, figures) + _shape(d, figures) + _routing(d, figures)
+            + _what_ifs(d, figures) + _fit(d, figures) + _spec(d) + _method(d))
 
 
 # ---- renderings ----
