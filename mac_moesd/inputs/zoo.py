@@ -231,6 +231,8 @@ def miniature(config: dict, layers: int = 2, experts: int = 8, top_k: int = 2) -
     for key in TOP_K_KEYS:
         if small.get(key):
             small[key] = top_k
+    if (small.get("n_group") or 1) > 1:  # grouped routing (DeepSeek-V3): two groups, one chosen
+        small["n_group"], small["topk_group"] = 2, 1
     return small
 
 
