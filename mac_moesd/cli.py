@@ -195,6 +195,7 @@ class ProgressBar:
         self.bar = None
 
     def expect(self, points: int) -> None:
+        self.close()  # a new stage of the same command starts a new bar
         self.bar = click.progressbar(length=points, label=self.label, file=sys.stderr,
                                      show_eta=True, item_show_func=lambda item: item)
         self.bar.__enter__()
@@ -306,8 +307,10 @@ def cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, as_json) -> No
         progress.close()
     if document is None:
         return
-    for message in document["warnings"]:
-        warn(message)
+    meta = document["meta"]
+    for message in [meta["blas"]["warning"], *meta["warnings"], *document["warnings"]]:
+        if message:
+            warn(message)
     emit(document, as_json, render_sweep)
 
 

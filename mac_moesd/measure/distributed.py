@@ -106,16 +106,19 @@ class Cluster:
         return [json.loads(bytes(row).rstrip(b"\0")) for row in rows]
 
     def from_rank0(self, produce: Callable[[], Any]) -> Any:
-        """Rank 0 runs ``produce``; every rank returns its value or raises its error."""
-        payload = None
+        """Rank 0 runs ``produce``; every rank returns its value or raises its error (rank 0
+        re-raises its own, so a bug keeps its traceback there)."""
+        payload, failure = None, None
         if self.rank == 0:
             try:
                 payload = {"value": produce()}
-            except MacMoesdError as err:
-                payload = {"error": str(err), "usage": isinstance(err, BadInput)}
-            except Exception as err:  # a bug on rank 0 must not leave the others waiting
-                payload = {"error": f"rank 0 failed: {err!r}", "usage": False}
+            except Exception as err:  # told to the others before it goes up, so none waits
+                failure = err
+                payload = {"error": str(err) if isinstance(err, MacMoesdError) else f"rank 0 failed: {err!r}",
+                           "usage": isinstance(err, BadInput)}
         shared = self.gather_json(payload)[0]
+        if failure is not None:
+            raise failure
         if "error" in shared:
             raise (BadInput if shared["usage"] else MacMoesdError)(shared["error"])
         return shared["value"]
@@ -206,6 +209,7 @@ def measure_communication(cfg: SweepConfig, store: ResultsStore, cluster: Cluste
     key = entry_key(built, cfg.context)
     entry = store.entry("communication", key, {"model": source.name, "context": cfg.context,
                                                 "parallel": cluster.parallel, "ranks": cluster.size})
+    progress.expect(len(cfg.batches) * len(cfg.tokens))
     timed: dict[tuple, dict] = {}
     for p in entry["points"].values():
         for o in p["ops"]:

@@ -208,6 +208,14 @@ def render_sweep(doc: dict) -> str:
             d = s["drift"]
             state = "FLAGGED" if d["flagged"] else "ok"
             lines.append(f"drift check ({s['layers']} layers, point {d['point']}): {d['change']:+.1%} {state}")
+    if doc.get("ranks"):
+        lines += ["", f"sharded over {doc['ranks']} ranks ({doc['parallel']} parallel, split by "
+                      f"{doc['sharded_by']}, {doc['backend']} backend; hosts {', '.join(doc['hosts'])}): "
+                      "communication per forward (collectives timed alone) and its share of T_T"]
+        rows = [[str(p["batch"]), str(p["tokens"]), seconds(p["median_s"]),
+                 seconds(p["comm_s"]) if p["comm_s"] is not None else "-",
+                 f"{p['comm_share']:.1%}" if p["comm_share"] is not None else "-"] for p in doc["points"]]
+        lines.append(table(["B", "t", "T_T", "communication", "share"], rows))
     blas = doc["meta"]["blas"]["name"]
     lines += [f"backend {doc['meta']['backend']}, BLAS {blas}; results in {doc['results_file']}"]
     return "\n".join(lines)
