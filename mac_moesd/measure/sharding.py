@@ -106,7 +106,7 @@ def _split_experts(switch: nn.Module, group: mx.distributed.Group, experts: int)
     return ExpertSlice(switch, rank * count, count)
 
 
-def _expert_count(block: nn.Module, switch: nn.Module) -> int:
+def _expert_count(switch: nn.Module) -> int:
     proj = next(v for v in switch.children().values() if isinstance(v, nn.Module))
     return int(proj.weight.shape[0])
 
@@ -117,7 +117,7 @@ def _shard_expert(model: nn.Module, group: mx.distributed.Group) -> None:
         raise BadInput("--parallel expert needs an MoE model (no SwitchGLU/SwitchMLP layers found)")
     for layer, name, block, switch_name in blocks:
         switch = getattr(block, switch_name)
-        setattr(block, switch_name, _split_experts(switch, group, _expert_count(block, switch)))
+        setattr(block, switch_name, _split_experts(switch, group, _expert_count(switch)))
         for _, shared in _dense_mlps(block):
             _split_width(shared, group)
         setattr(layer, name, SummedBlock(block, group))
@@ -151,16 +151,13 @@ def _shard_tensor_generic(model: nn.Module, group: mx.distributed.Group) -> None
         if attn is None:
             raise BadInput(f"{type(layer).__name__} has no self_attn to split")
         _attention_generic(attn, group)
-    moe = {id(block) for _, _, block, _ in _moe_blocks(model)}
     for layer, name, block, switch_name in _moe_blocks(model):
         _split_width(getattr(block, switch_name), group)
         for _, shared in _dense_mlps(block):
             _split_width(shared, group)
         setattr(layer, name, SummedBlock(block, group))
-    for layer in model.layers:
-        for name, mlp in _dense_mlps(layer):
-            if id(mlp) in moe:
-                continue
+    for layer in model.layers:  # dense FFNs (MoE blocks are SummedBlocks by now)
+        for _, mlp in _dense_mlps(layer):
             mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
             mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
             mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
