@@ -86,8 +86,8 @@ ZOO: tuple[ZooEntry, ...] = (
             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
         },
     }, _hf("deepseek-ai/DeepSeek-V2-Lite")),
-    # Too big for one Mac at 4-bit in a measured run's working set with room to spare; the
-    # model people shard over several (sweep --parallel, run --dry-run --ranks). The checkpoint's
+    # At 4-bit its 352 GiB of weights leave a 512 GB Mac little room for KV caches: the model
+    # people shard over several Macs (sweep --parallel, run --dry-run --ranks). The checkpoint's
     # multi-token-prediction layer (num_nextn_predict_layers) is dropped by mlx-lm and left out.
     ZooEntry("deepseek-v3", "moe", {
         "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
