@@ -169,16 +169,20 @@ def test_sharded_logits_match_the_whole_model(sharded_logits, arch, mode):
 
 def test_sharded_sweep_rank0_writes_cluster_results(tmp_path, config_dir):
     model = miniature(config_dir, "tiny-moe")
+    # forced uniform routing: each rank's slice of the experts still sees global expert indices
     proc = launch(*sweep_command(model, tmp_path / "res", "--parallel", "expert", "--batch", "1,2",
-                                 "--tokens", "1,2", "--json"))
+                                 "--tokens", "1,2", "--routing", "uniform", "--json"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     doc = json.loads(out)  # one document: rank 1 prints nothing
     assert (doc["ranks"], doc["backend"], doc["parallel"], len(doc["hosts"])) == (2, "ring", "expert", 2)
     assert doc["sharded_by"] == "mlx.nn"
     assert [(p["batch"], p["tokens"]) for p in doc["points"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert doc["routing"] == "uniform"
     for p in doc["points"]:
         assert p["median_s"] > 0 and p["comm_s"] > 0 and p["comm_share"] == p["comm_s"] / p["median_s"]
+        assert p["pairs"] == p["batch"] * p["tokens"] * 2  # K = 2 of the miniature's 8 experts
+        assert 1 <= p["unique_experts"] <= min(8, p["pairs"])
     ops = doc["communication"]["points"]["2x2"]["ops"]
     # expert parallel: one all-reduce of the MoE output per layer, B x t x hidden float32
     assert [(o["op"], o["shape"], o["count"], o["bytes"]) for o in ops] == [("all_sum", [2, 2, 64], 2, 1024)]

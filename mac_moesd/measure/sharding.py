@@ -20,6 +20,8 @@ B*t*K pairs, not about B*t*K/n. Every split is of the lazy model: nothing is all
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
@@ -35,21 +37,22 @@ HEADS = ("n_heads", "num_heads", "num_attention_heads")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 
 
-class ExpertSlice(nn.Module):
-    """A rank's experts ``first .. first+count-1`` of a SwitchGLU/SwitchMLP: pairs routed to
-    them run on them; the others run on local expert 0 and are zeroed (static shapes)."""
+class ExpertSlice:
+    """Mixed into a SwitchGLU/SwitchMLP that holds a rank's experts ``_first .. _first+_count-1``.
+    It still takes global expert indices, so what wraps a switch (routing capture and forcing,
+    ``routing.controlled_switches``) sees the model's own; pairs routed to its experts run on
+    them, the others on local expert 0, zeroed (static shapes)."""
 
-    def __init__(self, inner: nn.Module, first: int, count: int):
-        super().__init__()
-        self.inner = inner
-        self.first = first
-        self.count = count
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        local = indices - self.first
-        mine = (local >= 0) & (local < self.count)
-        y = self.inner(x, mx.where(mine, local, 0))
+    def __call__(self, x: mx.array, indices: mx.array, *args, **kwargs) -> mx.array:
+        local = indices - self._first
+        mine = (local >= 0) & (local < self._count)
+        y = super().__call__(x, mx.where(mine, local, 0), *args, **kwargs)
         return y * mine[..., None].astype(y.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _sliced_class(cls: type) -> type:
+    return type(f"ExpertSlice{cls.__name__}", (ExpertSlice, cls), {})
 
 
 class SummedBlock(nn.Module):
@@ -97,13 +100,14 @@ def _split_width(mlp: nn.Module, group: mx.distributed.Group) -> None:
         mlp.down_proj.bias = mlp.down_proj.bias / group.size()
 
 
-def _split_experts(switch: nn.Module, group: mx.distributed.Group, experts: int) -> ExpertSlice:
+def _split_experts(switch: nn.Module, group: mx.distributed.Group, experts: int) -> None:
+    """Keep this rank's E/n experts of ``switch``, in place: it stays a SwitchGLU/SwitchMLP."""
     n, rank = group.size(), group.rank()
     if experts % n:
         raise BadInput(f"--parallel expert needs the {experts} experts to divide over {n} ranks")
     shard_inplace(switch, lambda path, weight: 0, group=group)  # stacked experts: axis 0
-    count = experts // n
-    return ExpertSlice(switch, rank * count, count)
+    switch._first, switch._count = rank * (experts // n), experts // n  # plain attributes
+    switch.__class__ = _sliced_class(switch.__class__)
 
 
 def _expert_count(switch: nn.Module) -> int:
@@ -116,8 +120,7 @@ def _shard_expert(model: nn.Module, group: mx.distributed.Group) -> None:
     if not blocks:
         raise BadInput("--parallel expert needs an MoE model (no SwitchGLU/SwitchMLP layers found)")
     for layer, name, block, switch_name in blocks:
-        switch = getattr(block, switch_name)
-        setattr(block, switch_name, _split_experts(switch, group, _expert_count(switch)))
+        _split_experts(getattr(block, switch_name), group, _expert_count(getattr(block, switch_name)))
         for _, shared in _dense_mlps(block):
             _split_width(shared, group)
         setattr(layer, name, SummedBlock(block, group))
