@@ -234,12 +234,14 @@ def measure_communication(cfg: SweepConfig, store: ResultsStore, cluster: Cluste
 
 
 def time_op(op: dict, cluster: Cluster, budget: timing.Budget, rng: random.Random) -> dict:
-    """Seconds of one collective of this kind and size (median over samples, all ranks together)."""
+    """Seconds of one collective of this kind and size (median over samples, all ranks together).
+    A timed call chains at least as many as one forward makes, so the first one's cost (ranks
+    idle since the barrier wake up) is spread as it is in a forward."""
     if op["op"] == "sendrecv":
-        k = collectives.HOPS_PER_SAMPLE
+        k = max(collectives.HOPS_PER_SAMPLE, op["count"])
     else:
-        k = timing.calibrate(lambda: None, batch=lambda _, n: collectives.op_point(op, cluster.group, n),
-                             max_k=256)
+        k = max(op["count"], timing.calibrate(
+            lambda: None, batch=lambda _, n: collectives.op_point(op, cluster.group, n), max_k=256))
     point = collectives.op_point(op, cluster.group, k)
     m = timing.per_launch(timing.measure({0: point}, budget, rng)[0], k)
     return {"launches": k, "median_s": m.median_s, "iqr_s": m.iqr_s, "cv": m.cv, "repeats": m.repeats}
