@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
+from mac_moesd.measure import timing
 from mac_moesd.measure.sampling import rejection_sample
 from mac_moesd.measure.sweep import RolledBackCache
 
@@ -80,16 +81,9 @@ class Decoder:
     def plain(self, steps: int, temperature: float = 0.0) -> Decoded:
         """One-token steps of the target alone, each next step built while the current one
         runs, as mlx-lm's generate_step does."""
-        current = sample(self.target(self.pending, cache=self.target_cache)[:, -1:], temperature)
-        mx.async_eval(current)
-        emitted = [current]
-        for _ in range(steps - 1):
-            following = sample(self.target(current, cache=self.target_cache)[:, -1:], temperature)
-            mx.async_eval(following)
-            mx.eval(current)  # the loop reads each token as it arrives
-            current = following
-            emitted.append(current)
-        mx.eval(current)
+        emitted = timing.pipelined(
+            lambda x: sample(self.target(x, cache=self.target_cache)[:, -1:], temperature), self.pending, steps)
+        mx.eval(emitted[-1])
         return Decoded(steps * self.batch, outputs=np.array(mx.concatenate(emitted, axis=1)))
 
     def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None = None,

@@ -208,14 +208,8 @@ def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, voca
     mx.eval(inputs)
 
     def run():
-        current = mx.argmax(model(inputs, cache=cache.cache), axis=-1)
-        mx.async_eval(current)
-        for _ in range(steps - 1):
-            following = mx.argmax(model(current, cache=cache.cache), axis=-1)
-            mx.async_eval(following)
-            mx.eval(current)
-            current = following
-        return current, cache.state()
+        outputs = timing.pipelined(lambda x: mx.argmax(model(x, cache=cache.cache), axis=-1), inputs, steps)
+        return outputs[-1], cache.state()
 
     if control is None:
         return timing.Point(run=run, reset=lambda: cache.rollback(steps * tokens))

@@ -228,6 +228,20 @@ def chained(step: Callable[[int, Any], Any], k: int) -> Point:
     return Point(build, build_untimed=True)
 
 
+def pipelined(step: Callable[[mx.array], mx.array], first: mx.array, steps: int) -> list[mx.array]:
+    """``steps`` applications of ``step``, each fed the previous output, each next one queued
+    with ``mx.async_eval`` before waiting on the current one: the loop of mlx-lm's
+    ``generate_step``, so building a graph overlaps the previous one's compute. Returns every
+    output; the last may still be running."""
+    outputs = [step(first)]
+    mx.async_eval(outputs[-1])
+    for _ in range(steps - 1):
+        outputs.append(step(outputs[-1]))
+        mx.async_eval(outputs[-1])
+        mx.eval(outputs[-2])  # a generation loop reads each token as it arrives
+    return outputs
+
+
 def calibrate(launch: Callable, max_k: int = MAX_LAUNCHES, min_seconds: float = MIN_EVAL_S,
               batch: Callable[[Callable, int], Point] = launches) -> int:
     """The launch count K (a power of two, at most ``max_k``) for which one eval of K launches
