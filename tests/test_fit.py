@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd.analysis import fit, theory
+from mac_moesd.analysis import expert_reads, fit, theory
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -20,17 +20,25 @@ FOOTPRINT = {"experts": E, "top_k": K, "bytes_dense_streamed": 0.003 * BW,
              "bytes_per_expert": 0.001 * BW, "bytes_head": 0, "bytes_embedding": 0, "params_head": 1}
 
 
-def true_time(b, t, model=TRUE, ridge_tokens=RT, loads="unique"):
-    return float(model.target_time(b * t, E, K, ridge_tokens, loads) + theory.kv_time(b, L, K_KV))
+def true_time(b, t, model=TRUE, ridge_tokens=RT, loads="unique", routing=None):
+    active = None if routing is None else routing.unique(b, t, E, K)
+    return float(model.target_time(b * t, E, K, ridge_tokens, loads, active=active) + theory.kv_time(b, L, K_KV))
 
 
 def synthetic_results(batches=(1, 2, 4, 8, 16), tokens=(1, 2, 3, 4, 6, 8), noise=0.01, seed=0,
-                      roofline=True, model=TRUE, ridge=RP, bits=None, loads="unique", drafter=True):
+                      roofline=True, model=TRUE, ridge=RP, bits=None, loads="unique", drafter=True,
+                      routing=None):
+    """``routing``: an ``expert_reads.Routing`` whose counts the points record and their times
+    follow (default: uniform routing, no counts recorded, as sweeps made before counting)."""
     rng = np.random.default_rng(seed)
     jitter = lambda v: float(v * (1 + noise * rng.standard_normal()))  # noqa: E731
     rt = theory.ridge_in_tokens(ridge, f"{bits}bit" if bits else "fp32")
-    points = {f"{b}x{t}": {"median_s": jitter(true_time(b, t, model, rt, loads))}
+    points = {f"{b}x{t}": {"median_s": jitter(true_time(b, t, model, rt, loads, routing))}
               for b in batches for t in tokens}
+    if routing is not None:
+        for b in batches:
+            for t in tokens:
+                points[f"{b}x{t}"]["unique_experts"] = float(routing.unique(b, t, E, K))
     draft = {f"{b}x1": {"median_s": jitter(model.draft_time(b, rt))} for b in batches}
     reject = {f"{b}x5": {"median_s": jitter(model.reject_time(b))} for b in batches}
     data = {
@@ -223,6 +231,41 @@ def test_held_out_error_picks_the_expert_load_variant_that_made_the_data(loads):
     assert mape[loads] < 0.02 < mape["unique"]
     assert f"`{loads}` fits best" in fit.regime(result)
     assert fit.regime(result).startswith("On Apple M2 Max (? backend) with MLX ?")
+
+
+def test_the_fit_follows_the_counted_unique_experts_of_correlated_routing():
+    # Consecutive tokens reuse experts (c = 0.3, as random and real routers do): the counts the
+    # sweep records carry the expert reads; assuming uniform N(B*t) misfits the same times.
+    routing = expert_reads.Routing(0.3, 0.7)
+    data = synthetic_results(loads="mlx", routing=routing)
+    result = fit.fit(fit.inputs_from_results(data))
+    assert result.inputs.routing.correlation == pytest.approx(0.3, abs=0.01)
+    assert result.inputs.routing.batch_correlation == pytest.approx(0.7, abs=0.01)
+    assert result.chosen == "mlx" and result.heldout_mape < 0.02
+    for b, t in ((1, 5), (3, 4), (12, 2)):  # off the grid: the fitted forms carry the count
+        assert result.model().target(b, t, L) == pytest.approx(true_time(b, t, loads="mlx", routing=routing),
+                                                               rel=0.03)
+    for point in data["sweeps"]["m"]["points"].values():
+        del point["unique_experts"]
+    uniform = fit.fit(fit.inputs_from_results(data))
+    assert uniform.inputs.routing == expert_reads.Routing()
+    assert min(v.heldout_mape for v in uniform.variants) > 2 * result.heldout_mape
+    doc = fit.fit_document(result)
+    assert doc["routing"]["correlation"] == pytest.approx(0.3, abs=0.01)
+    assert fit.FittedModel.from_document(doc).routing == result.inputs.routing
+
+
+def test_held_out_error_is_scored_apart_and_the_parameters_use_every_point():
+    data = synthetic_results()
+    result = fit.fit(fit.inputs_from_results(data))
+    doc = fit.fit_document(result)
+    every = len(data["sweeps"]["m"]["points"])
+    assert len(doc["train_points"]) == every
+    assert 0 < len(doc["heldout_points"]) < every
+    held = {(r["batch"], r["tokens"]): r["predicted_s"] for r in doc["heldout_points"]}
+    final = {(r["batch"], r["tokens"]): r["predicted_s"] for r in doc["train_points"]}
+    # Two fits: the held-out rows come from the one that did not see them.
+    assert any(held[k] != pytest.approx(final[k], rel=1e-9) for k in held)
 
 
 def test_predictions_use_gamma_plus_one_verify_tokens():

@@ -40,8 +40,9 @@ def test_emulated_acceptance_uses_alpha_and_the_predictor():
 
     doc = spec.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
     assert [(r["batch"], r["alpha"]) for r in doc["runs"]] == [(1, 0.5), (2, 0.5)]
-    # The run's own context (8), not the fit's, goes to the predictor.
-    assert calls == [(1, 2, 0.5, False, 8), (2, 2, 0.5, False, 8)]
+    # The run's own context, not the fit's, goes to the predictor: the cache's mean length over
+    # the decode, from the 8-token prompt to 8 + 16.
+    assert calls == [(1, 2, 0.5, False, 16), (2, 2, 0.5, False, 16)]
     for run in doc["runs"]:
         assert 0.0 <= run["measured_alpha"] <= 1.0 and run["predicted_speedup"] == 1.5
         assert run["rounds"] > 0 and len(run["acceptance_by_position"]) == 2

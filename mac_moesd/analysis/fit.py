@@ -31,7 +31,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from mac_moesd.machine import hardware
-from mac_moesd.analysis import cluster, pipelining, theory
+from mac_moesd.analysis import cluster, expert_reads, pipelining, theory
 from mac_moesd.analysis.digest import Digest, full_depth_points
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -106,6 +106,7 @@ class FitInputs:
     cluster: dict | None = None  # ranks, backend, hosts, parallel of a sharded sweep
     target_pipelined: tuple[tuple[int, int, float], ...] = ()  # (batch, tokens, seconds per forward)
     draft_pipelined: tuple[tuple[int, float], ...] = ()
+    routing: expert_reads.Routing = expert_reads.Routing()  # unique experts per (B, t); uniform default
 
     @property
     def drafted(self) -> bool:
@@ -160,7 +161,7 @@ class FitResult:
         v = self.variant(name or self.chosen)
         i = self.inputs
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
-                           i.sort_threshold, i.drafted, self.pipelining, i.comm)
+                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class FittedModel:
     drafted: bool
     pipelining: pipelining.Pipelining = pipelining.Pipelining()
     comm: cluster.CommTerm | None = None  # a sharded forward's measured communication
+    routing: expert_reads.Routing = expert_reads.Routing()  # unique experts the routing activates
 
     def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True) -> np.ndarray:
         """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
@@ -185,8 +187,9 @@ class FittedModel:
         batch = np.asarray(batch, dtype=float)
         n = batch * np.asarray(tokens, dtype=float)
         link = self.comm.time(n) if comm and self.comm is not None else 0.0
+        active = self.routing.unique(batch, tokens, self.experts, self.top_k)
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
-                                        self.sort_threshold)
+                                        self.sort_threshold, active)
                 + theory.kv_time(batch, context, self.k_kv) + link)
         return pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
 
@@ -217,7 +220,8 @@ class FittedModel:
         return cls(theory.TimeModel(**params), v["k_kv"], doc["experts"], doc["top_k"],
                    doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"],
                    pipelining.Pipelining.from_dict(doc.get("pipelining")),
-                   cluster.CommTerm.from_dict(comm) if comm else None)
+                   cluster.CommTerm.from_dict(comm) if comm else None,
+                   expert_reads.Routing.from_dict(doc.get("routing")))
 
 
 # ---- reading a results file ----
@@ -244,6 +248,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     name, full, footprint = view.name, view.full, view.footprint
     points, extrapolated = full_depth_points(view.entries)
     target = _as_pairs(points)
+    counts = {(b, t): float(points[f"{b}x{t}"]["unique_experts"]) for b, t, _ in target
+              if points[f"{b}x{t}"].get("unique_experts") is not None}
     target_pipelined = _as_pairs(full_depth_points(view.entries, "pipelined_points")[0])
     missing = []
 
@@ -316,6 +322,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         target_pipelined=tuple(target_pipelined),
         draft_pipelined=tuple((b, s) for b, _, s in _as_pairs(draft.get("pipelined_points", {})))
         if draft and rejects else (),
+        routing=expert_reads.fit_routing(counts, footprint["experts"], footprint["top_k"]),
     )
 
 
@@ -416,9 +423,44 @@ def _initial(bounds: dict[str, tuple[float, float]], inputs: FitInputs) -> np.nd
 
 
 def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
-    """Algorithm 1 with the expert-load term of ``loads``; parameters with equal bounds are held."""
+    """Algorithm 1 with the expert-load term of ``loads``; parameters with equal bounds are held.
+
+    Scored on the held-out points of a fit to the others, then refitted on every point: the
+    held-out error is the procedure's, the parameters use all the data."""
     train, held = split(inputs.target)
     _check_enough(inputs, train)
+    scored_model, scored_kv, _ = _solve(inputs, loads, train)
+    held_rows = _rows(inputs, loads, scored_model, scored_kv, held)
+    model, k_kv, cost = _solve(inputs, loads, inputs.target)
+    mape = float(np.mean([abs(r["error"]) for r in held_rows])) if held_rows else None
+    worst = max(held_rows, key=lambda r: abs(r["error"])) if held_rows else None
+    return VariantFit(loads, model, k_kv, bounds_for(inputs, loads), _rows(inputs, loads, model, k_kv, inputs.target),
+                      held_rows, mape, worst, cost)
+
+
+def _target_time(inputs: FitInputs, loads: str, model: theory.TimeModel, k_kv: float, batch, tokens):
+    """The fitted T_T at the sweep's points: the routing's own unique experts, the sweep's context
+    and a sharded sweep's measured communication."""
+    batch, tokens = np.asarray(batch, dtype=float), np.asarray(tokens, dtype=float)
+    n = batch * tokens
+    link = inputs.comm.time(n) if inputs.comm is not None else 0.0
+    active = inputs.routing.unique(batch, tokens, inputs.experts, inputs.top_k)
+    return (model.target_time(n, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads, inputs.sort_threshold,
+                              active)
+            + theory.kv_time(batch, inputs.context, k_kv) + link)
+
+
+def _rows(inputs: FitInputs, loads: str, model: theory.TimeModel, k_kv: float, points: list) -> list[dict]:
+    out = []
+    for b, t, s in points:
+        pred = float(_target_time(inputs, loads, model, k_kv, b, t))
+        out.append({"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred, "error": pred / s - 1})
+    return out
+
+
+def _solve(inputs: FitInputs, loads: str, points: list) -> tuple[theory.TimeModel, float, float]:
+    """Least squares on relative residuals of ``points`` and the drafter and rejection steps:
+    (parameters, k_kv, cost)."""
     bounds = bounds_for(inputs, loads)
     names = theory.TimeModel.names()
     lo_all = np.append([bounds[n][0] for n in names], 0.0)
@@ -426,12 +468,10 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
     if np.any(lo_all > hi_all):
         raise MacMoesdError("inconsistent bounds: check the bandwidth and byte counts")
     free = lo_all < hi_all
-    E, K, R, L = inputs.experts, inputs.top_k, inputs.ridge_tokens, inputs.context
-    thr = inputs.sort_threshold
-    tb = np.array([b for b, _, _ in train], dtype=float)
-    tn = np.array([b * t for b, t, _ in train], dtype=float)
-    ty = np.array([s for _, _, s in train])
-    tc = inputs.comm.time(tn) if inputs.comm is not None else 0.0
+    R = inputs.ridge_tokens
+    tb = np.array([b for b, _, _ in points], dtype=float)
+    tt = np.array([t for _, t, _ in points], dtype=float)
+    ty = np.array([s for _, _, s in points])
     db = np.array([b for b, _ in inputs.draft], dtype=float)
     dy = np.array([s for _, s in inputs.draft])
     rb = np.array([b for b, _ in inputs.reject], dtype=float)
@@ -446,7 +486,7 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
         v = full_vector(x)
         m = theory.TimeModel.from_vector(v[:-1])
         return np.concatenate([
-            (m.target_time(tn, E, K, R, loads, thr) + theory.kv_time(tb, L, v[-1]) + tc) / ty - 1,
+            _target_time(inputs, loads, m, v[-1], tb, tt) / ty - 1,
             m.draft_time(db, R) / dy - 1,
             m.reject_time(rb) / ry - 1,
         ])
@@ -465,21 +505,7 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
             if best is None or res.cost < best.cost:
                 best = res
     vector = full_vector(best.x)
-    model = theory.TimeModel.from_vector(vector[:-1])
-    k_kv = float(vector[-1])
-
-    def rows(points):
-        out = []
-        for b, t, s in points:
-            link = float(inputs.comm.time(b * t)) if inputs.comm is not None else 0.0
-            pred = float(model.target_time(b * t, E, K, R, loads, thr) + theory.kv_time(b, L, k_kv) + link)
-            out.append({"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred, "error": pred / s - 1})
-        return out
-
-    train_rows, held_rows = rows(train), rows(held)
-    mape = float(np.mean([abs(r["error"]) for r in held_rows])) if held_rows else None
-    worst = max(held_rows, key=lambda r: abs(r["error"])) if held_rows else None
-    return VariantFit(loads, model, k_kv, bounds, train_rows, held_rows, mape, worst, float(best.cost))
+    return theory.TimeModel.from_vector(vector[:-1]), float(vector[-1]), float(best.cost)
 
 
 def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> FitResult:
@@ -566,7 +592,8 @@ def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches
     ks = sorted({k for k in (1, 2, K // 2, K, 2 * K, 4 * K) if 1 <= k <= E})
     out = []
     for k in ks:
-        changed = replace(model, top_k=k)
+        # The counted unique experts were for the model's own K; another K uses the fitted form.
+        changed = replace(model, top_k=k, routing=model.routing if k == K else model.routing.form_only())
         rows = predict(changed, context, batches, (gamma,), (alpha,), verify)
         top = max(rows, key=lambda p: p["speedup"])
         out.append({"top_k": k, "rho": k / E, "peak_batch": top["batch"], "peak_speedup": top["speedup"],
@@ -638,6 +665,7 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
                      for v in result.variants],
         "missing": list(i.missing),
         "pipelining": result.pipelining.to_dict(),
+        "routing": i.routing.to_dict(),
         "params": _params_doc(best, i.drafted),
         "k_kv": best.k_kv,
         "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},

@@ -202,9 +202,11 @@ MLX_SORT_THRESHOLD = 64  # mlx_lm/models/switch_layers.py: `indices.size >= 64` 
 
 
 def expert_loads(
-    n: ArrayLike, experts: int, top_k: int, loads: str = "unique", sort_threshold: int = MLX_SORT_THRESHOLD
+    n: ArrayLike, experts: int, top_k: int, loads: str = "unique", sort_threshold: int = MLX_SORT_THRESHOLD,
+    active: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(expert reads, tokens per read) for n tokens in one forward, under an expert-load variant.
+    ``active``: the unique experts the forward activates (default N(n), uniform routing).
 
     A read that serves one token (an unsorted pair) has tokens per read 0 here: its one-token
     product is memory-bound at any n, so its cost is all in the per-read term k2 and the
@@ -213,7 +215,7 @@ def expert_loads(
     if loads not in EXPERT_LOADS:
         raise ValueError(f"unknown expert-load variant {loads!r} (known: {', '.join(EXPERT_LOADS)})")
     n = np.asarray(n, dtype=float)
-    active = activated_experts(n, experts, top_k)
+    active = activated_experts(n, experts, top_k) if active is None else np.asarray(active, dtype=float)
     unique_reads, unique_tokens = active, n * top_k / active
     pair_reads, pair_tokens = n * top_k, np.zeros_like(n)
     if loads == "unique":
@@ -231,7 +233,8 @@ class TimeModel:
     T_T(n) = bias + k1*G(n) + k2*R(n) + k3*G(n*K/R(n)),  G = G(.; lam*ridge_tokens, s)
     T_D(B) = draft_bias + draft_k*G(B)
     T_rej(B) = reject_bias + reject_k*B
-    R(n) is the expert reads of the variant (``expert_loads``): N(n) in MoESD. The knee of G is
+    R(n) is the expert reads of the variant (``expert_loads``): N(n) in MoESD, or the unique
+    experts the routing actually activates. The knee of G is
     in tokens per forward: lam * ridge_in_tokens(RP, format); Algorithm 1 writes lam*RP because
     the paper ran 2-byte weights, for which the two agree.
     """
@@ -273,11 +276,13 @@ class TimeModel:
         ridge_tokens: float,
         loads: str = "unique",
         sort_threshold: int = MLX_SORT_THRESHOLD,
+        active: ArrayLike | None = None,
     ) -> np.ndarray:
-        """T_T for n tokens in one forward (n = B plain, n = B*(gamma+1) or B*gamma verify)."""
+        """T_T for n tokens in one forward (n = B plain, n = B*(gamma+1) or B*gamma verify);
+        ``active``: the unique experts they activate (default N(n), uniform routing)."""
         n = np.asarray(n, dtype=float)
         knee = self.knee(ridge_tokens)
-        reads, per_read = expert_loads(n, experts, top_k, loads, sort_threshold)
+        reads, per_read = expert_loads(n, experts, top_k, loads, sort_threshold, active)
         batched = compute_transition(np.maximum(per_read, 1.0), knee, self.s)
         expert_compute = np.where(per_read > 0, batched, 0.0)
         return (

@@ -21,10 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from scipy.optimize import least_squares
 
 from mac_moesd.machine import memory
-from mac_moesd.analysis import theory
+from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.measure import routing_trace
 from mac_moesd.measure.gather import check_sortable, sorted_switch_call
@@ -227,17 +226,8 @@ def fit_correlation(windows: list[Window], experts: int, top_k: int) -> float:
     n counts the window's B*t tokens; one token always hits exactly K experts, which the form
     keeps for every c. c is bounded to (0, 1]: 1 is uniform routing.
     """
-    n = np.array([w.batch * w.tokens for w in windows], dtype=float)
-    measured = np.array([w.measured_unique for w in windows])
-    informative = n > 1
-    if not informative.any():
-        return 1.0
-    n, measured = n[informative], measured[informative]
-
-    def residual(c):
-        return theory.activated_experts(theory.correlated_tokens(n, c[0]), experts, top_k) - measured
-
-    return float(least_squares(residual, x0=[0.9], bounds=([1e-3], [1.0])).x[0])
+    return expert_reads.fit_anchored([w.batch * w.tokens for w in windows],
+                                     [w.measured_unique for w in windows], experts, top_k)
 
 
 def routing_document(

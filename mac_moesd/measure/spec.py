@@ -365,7 +365,9 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                     per_round = [n for d in spec_out for n in d.per_round]
                     measured = acceptance_fields(per_round, gamma)
                     effective = alpha if alpha is not None else measured["measured_alpha"]
-                    predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", row["context"])
+                    # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
+                    decoding = row["context"] + cfg.new_tokens / 2
+                    predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", decoding)
                                  if predictor and effective is not None else None)
                     run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
                            "prompts": inputs.name, "temperature": temperature, **measured,
@@ -375,7 +377,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                             (s.outputs, p.outputs) for s, p in zip(spec_out, plain_out))
                     entry = accepted_on_set.get((gamma, temperature))
                     if entry is not None and temperature > 0:
-                        run["rules"] = rules_worth(entry, run, predictor, batch, row["context"])
+                        run["rules"] = rules_worth(entry, run, predictor, batch, decoding)
                     runs.append(run)
         del decoders
         memory.release()

@@ -304,6 +304,17 @@ def pipelining_lines(pipe: dict | None) -> list[str]:
             f"target {seconds(pipe['target_s'])}{draft}{fit}; speedups use pipelined plain and draft steps"]
 
 
+def routing_sentence(doc: dict) -> str:
+    """How the fit counted expert reads: the sweep's unique experts and the fitted correlations."""
+    routing = doc.get("routing") or {}
+    if not routing.get("counts"):
+        return ("Expert reads assume uniform routing, N(B*t) (this sweep counted no unique experts: "
+                "rerun it to count them).")
+    return (f"Expert reads follow the {len(routing['counts'])} points' counted unique experts; between them, "
+            f"consecutive tokens of a sequence act like c = {routing['correlation']:.2f} and the batch's "
+            f"sequences like c_batch = {routing['batch_correlation']:.2f} uniform tokens each (1 = uniform).")
+
+
 def render_fit(doc: dict) -> str:
     p = doc["params"]
     drafter = f"drafter {doc['draft_model']}" if doc["drafted"] else "no drafter measured"
@@ -338,9 +349,11 @@ def render_fit(doc: dict) -> str:
     ]
     if doc["heldout_mape"] is not None:
         w = doc["worst_point"]
-        lines.append(f"held-out error: MAPE {doc['heldout_mape']:.1%} over {len(doc['heldout_points'])} "
-                     f"points (fit on {len(doc['train_points'])}); worst B={w['batch']} t={w['tokens']}: "
-                     f"{w['error']:+.1%}")
+        held, every = len(doc["heldout_points"]), len(doc["train_points"])
+        lines.append(f"held-out error: MAPE {doc['heldout_mape']:.1%} over {held} points from a fit to the "
+                     f"other {every - held}; worst B={w['batch']} t={w['tokens']}: {w['error']:+.1%}; "
+                     f"parameters refitted on all {every}")
+    lines.append(routing_sentence(doc))
     alphas = sorted({q["alpha"] for q in doc["predictions"]})
     gammas = sorted({q["gamma"] for q in doc["predictions"]})
     if not doc["drafted"]:

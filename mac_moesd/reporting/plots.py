@@ -134,7 +134,7 @@ def fit_scatter(d: Digest, folder: Path) -> Path | None:
         fig, ax = plt.subplots(figsize=(4.8, 4.4))
         lo, hi = np.inf, 0.0
         for i, f in enumerate(fits):
-            for rows, marker, label in ((f["train_points"], "o", "fit"), (f["heldout_points"], "x", "held out")):
+            for rows, marker, label in ((f["train_points"], "o", "all points"), (f["heldout_points"], "x", "held out")):
                 m = np.array([r["measured_s"] for r in rows]) * 1e3
                 p = np.array([r["predicted_s"] for r in rows]) * 1e3
                 ax.plot(m, p, marker=marker, ls="", color=f"C{i}", label=f"{f['model']} {label}")

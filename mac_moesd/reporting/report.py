@@ -18,7 +18,7 @@ from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.analysis import theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
-from mac_moesd.reporting.formatting import pipelining_lines, seconds
+from mac_moesd.reporting.formatting import pipelining_lines, routing_sentence, seconds
 
 __all__ = ["build_blocks", "write_report"]
 
@@ -249,9 +249,10 @@ def _fit(d: Digest, figures) -> list:
         w = f["worst_point"]
         p = f["params"]
         blocks.append(("h3", f["model"]))
-        blocks.append(("p", f"Held-out MAPE **{pct(f['heldout_mape'])}** over {len(f['heldout_points'])} "
-                       f"points, fitted on {len(f['train_points'])}; worst B={w['batch']} t={w['tokens']} at "
-                       f"{w['error']:+.1%}. Knee of G at **{f['knee_tokens']:.1f} tokens** per forward "
+        held, every = len(f["heldout_points"]), len(f["train_points"])
+        blocks.append(("p", f"Held-out MAPE **{pct(f['heldout_mape'])}** over {held} points, from a fit to "
+                       f"the other {every - held}; worst B={w['batch']} t={w['tokens']} at {w['error']:+.1%}. "
+                       f"The parameters below are refitted on all {every}. {routing_sentence(f)} Knee of G at **{f['knee_tokens']:.1f} tokens** per forward "
                        + (f"(lam = {p['lam']:.3g} of the {f['ridge_tokens']:.1f}-token ridge for "
                           f"{f['weight_format']} weights; ridge from the {f['ridge_source']}). "
                           if f["ridge_flop_per_byte"] is not None else
