@@ -78,9 +78,10 @@ def test_fit_recovers_known_parameters_from_noisy_data():
 
 def test_bounds_follow_bytes_over_bandwidth():
     bounds = fit.bounds_for(fit.inputs_from_results(synthetic_results()))
-    assert bounds["bias"] == pytest.approx((0.003, 0.015))
-    assert bounds["k2"] == pytest.approx((0.001, 0.005))
-    assert bounds["draft_bias"] == pytest.approx((0.002, 0.010))
+    # MoESD's [bytes/BW, 5x], the lower end halved for a measured ceiling's error and cache hits.
+    assert bounds["bias"] == pytest.approx((0.0015, 0.015))
+    assert bounds["k2"] == pytest.approx((0.0005, 0.005))
+    assert bounds["draft_bias"] == pytest.approx((0.001, 0.010))
     assert bounds["lam"] == (0.2, 1.0) and bounds["s"] == (1.0, 2.0)
 
 
@@ -228,7 +229,8 @@ def test_held_out_error_picks_the_expert_load_variant_that_made_the_data(loads):
     result = fit.fit(fit.inputs_from_results(synthetic_results(loads=loads)))
     assert result.chosen == loads
     mape = {v.name: v.heldout_mape for v in result.variants}
-    assert mape[loads] < 0.02 < mape["unique"]
+    # 1% noise: the true variant near it, MoESD's unique at least three times further off.
+    assert mape[loads] < 0.01 and mape["unique"] > 3 * mape[loads]
     assert f"`{loads}` fits best" in fit.regime(result)
     assert fit.regime(result).startswith("On Apple M2 Max (? backend) with MLX ?")
 

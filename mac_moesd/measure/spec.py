@@ -155,8 +155,9 @@ class Decoders:
     one decoder for every pair) and reset to its prefill before each use."""
 
     def __init__(self, target, draft, batch: int, prompts: PromptIds, context: int,
-                 rng: np.random.Generator, vocab: int):
+                 rng: np.random.Generator, vocab: int, random_tokens: bool = False):
         self.target, self.draft, self.batch, self.prompts = target, draft, batch, prompts
+        self.random_tokens = vocab if random_tokens else None
         self.random_prompt = (None if prompts.ids is not None
                               else mx.array(rng.integers(0, vocab, (batch, context + 1))))
         self.index, self.current = None, None
@@ -170,7 +171,7 @@ class Decoders:
             self.current = None  # free the old caches before the new prefill
             prompt = (self.random_prompt if self.prompts.ids is None
                       else common_prompt(self.prompts.batch(index, self.batch)))
-            self.current = Decoder(self.target, self.draft, prompt)
+            self.current = Decoder(self.target, self.draft, prompt, self.random_tokens)
         else:
             self.current.reset()
         self.index = index
@@ -352,7 +353,8 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
 
     runs = []
     for batch in cfg.batches:
-        decoders = Decoders(target.model, draft.model, batch, inputs, cfg.context, rng, vocab)
+        decoders = Decoders(target.model, draft.model, batch, inputs, cfg.context, rng, vocab,
+                            random_tokens=cfg.mode == "emulated-acceptance")
         for temperature in cfg.temperatures:
             for gamma in cfg.gammas:
                 for alpha in alphas:

@@ -8,6 +8,12 @@ while they equal the token the target samples at each position, mlx_lm/generate.
 ``emulated-acceptance`` (each draft token accepted with probability alpha, after paying for
 rejection sampling, so the system cost of SD at any alpha is measured on random-weight models).
 
+Random-weight models decode into loops of one or two repeated tokens, which route every position
+of a window to the same experts and make verify forwards cheaper than any real text would. In
+``emulated-acceptance`` mode, where the drafted tokens decide nothing, every token the loop emits
+is shifted by a uniform random offset (``random_tokens``), so the forwards see random ids, as the
+sweep's points do, while each token still depends on the logits before it.
+
 Sequences of a batch accept different counts; the caches are rolled back to the batch's shortest
 accepted prefix (lengths then differ by at most gamma tokens from the ideal, which does not
 change the cost of a step), while each sequence is credited its own accepted tokens. What the
@@ -61,10 +67,12 @@ class Decoder:
     """A target and a drafter with caches prefilled to the same prompt, for one batch.
 
     ``prompt`` (batch, n): the caches hold its first n-1 tokens, the last is the pending token
-    the first forward consumes."""
+    the first forward consumes. ``random_tokens`` (a vocabulary size): emit uniformly random ids
+    instead of the models' choices (emulated acceptance)."""
 
-    def __init__(self, target, draft, prompt: mx.array):
+    def __init__(self, target, draft, prompt: mx.array, random_tokens: int | None = None):
         self.target, self.draft = target, draft
+        self.random_tokens = random_tokens
         self.batch, length = prompt.shape
         self.context = length - 1
         held = prompt[:, :-1]
@@ -82,9 +90,18 @@ class Decoder:
         """One-token steps of the target alone, each next step built while the current one
         runs, as mlx-lm's generate_step does."""
         emitted = timing.pipelined(
-            lambda x: sample(self.target(x, cache=self.target_cache)[:, -1:], temperature), self.pending, steps)
+            lambda x: self.emit(self.target(x, cache=self.target_cache)[:, -1:], temperature), self.pending, steps)
         mx.eval(emitted[-1])
         return Decoded(steps * self.batch, outputs=np.array(mx.concatenate(emitted, axis=1)))
+
+    def emit(self, logits: mx.array, temperature: float) -> mx.array:
+        """The token at each position: ``sample``'s, or with ``random_tokens`` that shifted by a
+        uniform random offset (uniform over the vocabulary, still computed from the logits)."""
+        token = sample(logits, temperature)
+        if self.random_tokens is None:
+            return token
+        offset = mx.random.randint(0, self.random_tokens, token.shape, dtype=token.dtype)
+        return (token + offset) % self.random_tokens
 
     def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None = None,
                     temperature: float = 0.0, rules: bool = False,
@@ -100,14 +117,14 @@ class Decoder:
             x, drafts, draft_logits = y, [], []
             for _ in range(gamma):  # each draft step queued as built, as mlx-lm's _draft_generate
                 logits = self.draft(x, cache=self.draft_cache)[:, -1:]
-                x = sample(logits, temperature)
+                x = self.emit(logits, temperature)
                 mx.async_eval(x)
                 drafts.append(x)
                 draft_logits.append(logits)
             drafts_arr = mx.concatenate(drafts, axis=1)
             verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
             # The target's token at every position: its argmax, or (mlx-lm's rule) its own sample.
-            chosen = sample(verify, temperature)  # (B, gamma+1)
+            chosen = self.emit(verify, temperature)  # (B, gamma+1)
             # One synchronisation per round: everything the acceptance decision needs.
             if mode == "emulated-acceptance":
                 # Pay for rejection sampling, then accept with the chosen alpha.
