@@ -6,9 +6,11 @@ roofline, the sweep of the target with the drafter at the default budget, the fi
 SD over B 1,2,4 x gamma 2,4 (emulated acceptance: random-weight models accept nothing on their
 own), each predicted by the fit at the run's alpha and context. The SD measurement is then
 repeated into a second folder: how far two measurements of the same thing fall apart is the
-floor under any prediction's error on this machine.
+floor under any prediction's error on this machine; the prediction is judged against the mean
+of the two.
 
-For each configuration it prints the speedup error and the two terms behind it: the plain
+For each configuration it prints the speedup error and the two terms behind it (from the first
+measurement): the plain
 decode step and the SD round (gamma draft steps, the verify forward, rejection sampling), each
 predicted from the fit and measured in the SD run (plain: batch / plain tokens/s; round: tokens
 per round * batch / SD tokens/s).
@@ -86,7 +88,7 @@ def main() -> int:
           f"{'floor':>6}  {'plain ms meas/pred':>19}  {'round ms meas/pred':>19}")
     errors, floors = [], []
     for r, r2 in zip(spec["runs"], again["runs"]):
-        err = r["predicted_speedup"] / r["measured_speedup"] - 1
+        err = r["predicted_speedup"] / ((r["measured_speedup"] + r2["measured_speedup"]) / 2) - 1
         floor = r2["measured_speedup"] / r["measured_speedup"] - 1
         errors.append(abs(err))
         floors.append(abs(floor))
@@ -96,7 +98,7 @@ def main() -> int:
               f"{plain_m * 1e3:>7.2f}/{plain_p * 1e3:>6.2f} {plain_p / plain_m - 1:>+5.0%}  "
               f"{round_m * 1e3:>7.2f}/{round_p * 1e3:>6.2f} {round_p / round_m - 1:>+5.0%}")
     met = statistics.median(errors) <= GOAL_MEDIAN and max(errors) <= GOAL_WORST
-    print(summary("predicted against measured", errors)
+    print(summary("predicted against the mean of both measurements", errors)
           + f" (goal <= {GOAL_MEDIAN:.0%}, <= {GOAL_WORST:.0%}): {'met' if met else 'NOT met'}")
     print(summary("floor: the repeat against the first measurement", floors))
     print(f"results in {out}")
