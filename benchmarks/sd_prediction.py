@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--alpha", default="0.7")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence per SD run")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8, help="timed plain/SD pairs per configuration per measurement")
     parser.add_argument("--out", help="results folder to keep (default: a temporary one)")
     args = parser.parse_args()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="sd-prediction-"))

@@ -176,7 +176,7 @@ def sweep_json(*args):
 
 
 def test_sweep_uniform_routing_activates_n_of_bt(deep_moe, tmp_path):
-    grid = ["--batch", "1,8", "--tokens", "1,2,4,8", *QUICK, "--out", tmp_path]
+    grid = ["--batch", "1,8", "--tokens", "1,8", *QUICK, "--out", tmp_path]
     uniform = sweep_json(deep_moe, "--routing", "uniform", *grid)
     assert uniform["routing"] == "uniform" and uniform["gather"] == "mlx-lm"
     for p in uniform["points"]:
