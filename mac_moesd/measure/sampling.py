@@ -1,10 +1,23 @@
-"""Speculative-decoding rejection sampling (Leviathan et al., arXiv 2211.17192), batched in MLX."""
+"""Speculative-decoding rejection sampling (Leviathan et al., arXiv 2211.17192), batched in MLX,
+and the random ids that stand in for a random-weight model's own tokens."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["rejection_sample"]
+__all__ = ["random_ids", "rejection_sample"]
+
+
+def random_ids(token: mx.array, vocab: int) -> mx.array:
+    """``token`` shifted by a uniform random offset modulo ``vocab``: uniformly random ids that
+    still depend on the logits they came from (so a decoding chain keeps its data dependency).
+
+    Random-weight models decode into loops of one or two repeated tokens, and a window of one
+    repeated token routes every position to the same experts; where the tokens decide nothing
+    (the sweep's pipelined chains, emulated acceptance) the forwards are fed random ids instead,
+    as every synchronous sweep point is."""
+    offset = mx.random.randint(0, vocab, token.shape, dtype=token.dtype)
+    return (token + offset) % vocab
 
 
 def rejection_sample(

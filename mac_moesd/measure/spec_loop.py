@@ -10,9 +10,8 @@ rejection sampling, so the system cost of SD at any alpha is measured on random-
 
 Random-weight models decode into loops of one or two repeated tokens, which route every position
 of a window to the same experts and make verify forwards cheaper than any real text would. In
-``emulated-acceptance`` mode, where the drafted tokens decide nothing, every token the loop emits
-is shifted by a uniform random offset (``random_tokens``), so the forwards see random ids, as the
-sweep's points do, while each token still depends on the logits before it.
+``emulated-acceptance`` mode, where the drafted tokens decide nothing, the loop emits random ids
+(``sampling.random_ids``), as the sweep's points are fed.
 
 Sequences of a batch accept different counts; the caches are rolled back to the batch's shortest
 accepted prefix (lengths then differ by at most gamma tokens from the ideal, which does not
@@ -30,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
 from mac_moesd.measure import timing
-from mac_moesd.measure.sampling import rejection_sample
+from mac_moesd.measure.sampling import random_ids, rejection_sample
 from mac_moesd.measure.sweep import RolledBackCache
 
 __all__ = ["Decoded", "Decoder", "common_prompt"]
@@ -98,10 +97,7 @@ class Decoder:
         """The token at each position: ``sample``'s, or with ``random_tokens`` that shifted by a
         uniform random offset (uniform over the vocabulary, still computed from the logits)."""
         token = sample(logits, temperature)
-        if self.random_tokens is None:
-            return token
-        offset = mx.random.randint(0, self.random_tokens, token.shape, dtype=token.dtype)
-        return (token + offset) % self.random_tokens
+        return token if self.random_tokens is None else random_ids(token, self.random_tokens)
 
     def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None = None,
                     temperature: float = 0.0, rules: bool = False,

@@ -28,7 +28,7 @@ from mac_moesd.measure import routing, timing
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
-from mac_moesd.measure.sampling import rejection_sample
+from mac_moesd.measure.sampling import random_ids, rejection_sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
@@ -199,8 +199,9 @@ def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
 
 def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
                     control: SweepRouting | None = None, steps: int = PIPELINED_STEPS) -> timing.Point:
-    """``steps`` forwards of B x t tokens, each fed the previous one's argmax (a real data
-    dependency, as in decoding), each next graph built and queued with ``mx.async_eval`` before
+    """``steps`` forwards of B x t tokens, each fed ids drawn from the previous one's argmax (a real
+    data dependency, as in decoding; random ids, as the synchronous points are fed, since a
+    random-weight model's own argmax repeats one token), each next graph built and queued with ``mx.async_eval`` before
     waiting on the current one: the loop of mlx-lm's ``generate_step``. One sample covers all
     ``steps``; ``timing.per_launch`` turns it into seconds per forward. With ``control`` every
     forward of the chain runs the point's prepared routing."""
@@ -208,7 +209,8 @@ def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, voca
     mx.eval(inputs)
 
     def run():
-        outputs = timing.pipelined(lambda x: mx.argmax(model(x, cache=cache.cache), axis=-1), inputs, steps)
+        outputs = timing.pipelined(lambda x: random_ids(mx.argmax(model(x, cache=cache.cache), axis=-1), vocab),
+                                   inputs, steps)
         return outputs[-1], cache.state()
 
     if control is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from mac_moesd.analysis import fit as fit_module
 from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
-from mac_moesd.analysis import theory
+from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.reporting.formatting import pipelining_lines, routing_sentence, seconds
 
@@ -97,9 +97,7 @@ def _verdict(d: Digest) -> list:
                 f"{peak['peak_batch']} ({f2(peak['peak_speedup'])}), within peak/sqrt(2) for batches "
                 f"{peak['window'][0]}-{peak['window'][1]}. A batch-1 step routes 1 token "
                 f"({fit['top_k']} of {fit['experts']} experts); its verify window of {window} tokens "
-                f"(gamma drafts plus one) activates "
-                f"{theory.activated_experts(window, fit['experts'], fit['top_k']):.1f} experts under uniform "
-                f"routing and makes {window * fit['top_k']} token-expert pairs, against MoESD's batch "
+                f"(gamma drafts plus one) activates {_window_experts(fit, window)} and makes {window * fit['top_k']} token-expert pairs, against MoESD's batch "
                 f"threshold of {threshold} tokens. "
                 + (f"Predictions use the `{fit['chosen']}` expert loads, which fit this chip better than "
                    "MoESD's `unique` (see the fitted model; `unique` is shown beside)."
@@ -119,6 +117,19 @@ def _verdict(d: Digest) -> list:
         blocks.append(("table", ["gamma", *[f"S at alpha={a:g}" for a in alphas]]
                        + ([f"MoESD `unique`, alpha={TYPICAL_ALPHA:g}"] if beside else []), rows))
     return blocks
+
+
+def _window_experts(fit: dict, window: int) -> str:
+    """Unique experts a batch-1 verify window activates: as the sweep's routing did (counted, or
+    the fitted correlation between counts), beside uniform routing's N(window)."""
+    E, K = fit["experts"], fit["top_k"]
+    uniform = float(theory.activated_experts(window, E, K))
+    routing = expert_reads.Routing.from_dict(fit.get("routing"))
+    if not routing.counts:
+        return f"{uniform:.1f} experts under uniform routing"
+    how = "counted" if (1, window) in routing.counts else f"fitted c = {routing.correlation:.2f}"
+    return (f"{float(routing.unique(1, window, E, K)):.1f} experts as the sweep's routing did ({how}; "
+            f"{uniform:.1f} under uniform routing)")
 
 
 def _roofline(d: Digest, figures) -> list:
