@@ -48,6 +48,22 @@ def test_measure_evaluates_resets_and_stops_on_ci():
     assert m.warmups == 2
 
 
+def test_grouped_points_are_visited_back_to_back_every_round():
+    visits = []
+
+    def point(key):
+        return timing.Point(lambda: visits.append(key) or mx.ones((2,)))
+
+    keys = [(kind, t) for t in range(4) for kind in ("sync", "pipelined")]
+    budget = timing.Budget(warmup=0, min_repeats=6, max_repeats=6, target_ci=0.0, per_visit=2)
+    timing.measure({k: point(k) for k in keys}, budget, random.Random(1), group=lambda k: k[1])
+    shapes = [t for _, t in visits]
+    # Runs of one shape are 4 samples long (two kinds x per_visit 2), never interleaved.
+    runs = [shapes[i:i + 4] for i in range(0, len(shapes), 4)]
+    assert all(len(set(run)) == 1 for run in runs)
+    assert len({tuple(k for k, _ in visits[i:i + 4]) for i in range(0, len(visits), 4)}) > 1  # order shuffled
+
+
 def test_measure_respects_time_budget():
     # a tiny eval takes tens of microseconds: only the time budget can stop 10^6 repeats in time
     budget = timing.Budget(warmup=0, min_repeats=3, max_repeats=10**6, target_ci=0.0,

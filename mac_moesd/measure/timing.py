@@ -168,8 +168,14 @@ def measure(
     budget: Budget = Budget(),
     rng: random.Random | None = None,
     on_done: Callable[[Hashable, Measurement], None] | None = None,
+    group: Callable[[Hashable], Hashable] | None = None,
 ) -> dict[Hashable, Measurement]:
-    """Measure every point; ``on_done`` is called as each one finishes (to save it at once)."""
+    """Measure every point; ``on_done`` is called as each one finishes (to save it at once).
+
+    ``group(key)``: points of one group are visited back to back in every round (groups in
+    shuffled order, and the points within each), so two timings of one shape that are compared
+    with each other see the machine in the same state; drift between far-apart visits would
+    otherwise land in their difference."""
     rng = rng or random.Random(0)
     for point in points.values():
         for _ in range(budget.warmup):
@@ -189,6 +195,9 @@ def measure(
     while len(done) < len(points):
         order = [key for key in points if key not in done]
         rng.shuffle(order)
+        if group is not None:
+            groups = list(dict.fromkeys(group(key) for key in order))  # first-seen order: shuffled
+            order = [key for g in groups for key in order if group(key) == g]
         for key in order:
             for _ in range(budget.per_visit):
                 elapsed = time_once(points[key])
