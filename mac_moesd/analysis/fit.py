@@ -709,6 +709,13 @@ def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
             "rows": cluster.cluster_rows(target, model.comm, speedup, lambda g: verify_tokens(g, verify))}
 
 
+def decoding_context(run: dict, doc: dict) -> float:
+    """The context an SD run's forwards see on average: its prompt, plus half the tokens it
+    decodes (the cache grows by every one)."""
+    prompt = run["context"] if "context" in run else doc["context"]
+    return prompt + doc.get("new_tokens", 0) / 2
+
+
 def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):
     """A function (batch, gamma, alpha, self_draft, context) -> predicted S from a stored fit
     document's chosen variant, or None when the fit had no drafter to predict speedups with.

@@ -109,6 +109,7 @@ def _verdict(d: Digest) -> list:
             ridge_tokens = theory.ridge_in_tokens(roof["ridge_flop_per_byte"], model.weight_format)
             text += (f" The ridge in tokens for its {model.weight_format} weights is "
                      f"{ridge_tokens:.1f}: beyond that a forward is compute-bound.")
+        text += _measured_check(d, fit)
         blocks.append(("p", text))
         unique = {(r["gamma"], r["alpha"]): r["unique"] for r in fit["paper_comparison"]}
         beside = fit["chosen"] != "unique"  # MoESD's own loads shown next to the chosen ones
@@ -117,6 +118,25 @@ def _verdict(d: Digest) -> list:
         blocks.append(("table", ["gamma", *[f"S at alpha={a:g}" for a in alphas]]
                        + ([f"MoESD `unique`, alpha={TYPICAL_ALPHA:g}"] if beside else []), rows))
     return blocks
+
+
+DISAGREE = 0.25  # a timed batch-1 run this far from its prediction is named beside the verdict
+
+
+def _measured_check(d: Digest, fit: dict) -> str:
+    """A sentence when a timed batch-1 SD run of this model contradicts the predicted verdict
+    (one pays off, the other not) or misses it by more than DISAGREE; empty otherwise."""
+    runs = [r for doc in d.spec if doc.get("target") == fit["model"] for r in doc.get("runs", [])
+            if r["batch"] == 1 and r.get("predicted_speedup") and r.get("measured_speedup")]
+    off = [r for r in runs if (r["measured_speedup"] > 1) != (r["predicted_speedup"] > 1)
+           or abs(r["predicted_speedup"] / r["measured_speedup"] - 1) > DISAGREE]
+    if not off:
+        return ""
+    shown = "; ".join(f"gamma {r['gamma']} at alpha {r['alpha']:.2f}: measured {r['measured_speedup']:.2f}, "
+                      f"predicted {r['predicted_speedup']:.2f}" for r in off)
+    return (f" **The timed SD runs at batch 1 disagree with this prediction** ({shown}; see Measured SD): the "
+            "fitted forwards do not add up to the measured round here, so trust the measurement at these "
+            "points and repeat the run on an idle machine before relying on the prediction.")
 
 
 def _window_experts(fit: dict, window: int) -> str:
@@ -364,7 +384,7 @@ def _spec(d: Digest) -> list:
         for r in s["runs"]:
             # Predicted with the current fit at the run's own alpha and context.
             pred = (predictor(r["batch"], r["gamma"], r["alpha"], r["mode"] == "self-draft",
-                              r.get("context", s["context"]))
+                              fit_module.decoding_context(r, s))
                     if predictor and r["alpha"] is not None else r["predicted_speedup"])
             err = "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}"
             rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),
