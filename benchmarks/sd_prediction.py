@@ -11,8 +11,7 @@ predictions, of the same thing fall apart is the floor under any prediction's er
 machine. The mean of the two predictions is judged against the mean of the two measurements.
 
 For each configuration it prints the speedup error and the two terms behind it (from the first
-measurement): the plain
-decode step and the SD round (gamma draft steps, the verify forward, rejection sampling), each
+measurement): the plain decode step and the SD round (gamma draft steps, the verify forward, rejection sampling), each
 predicted from the fit and measured in the SD run (plain: batch / plain tokens/s; round: tokens
 per round * batch / SD tokens/s).
 
@@ -27,8 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mac_moesd.analysis import pipelining
-from mac_moesd.analysis.fit import FittedModel
+from mac_moesd.analysis.fit import FittedModel, decoding_context
 
 GOAL_MEDIAN, GOAL_WORST = 0.05, 0.10
 
@@ -42,12 +40,9 @@ def mac_moesd(*args: str) -> dict | None:
 
 def predicted_terms(model: FittedModel, run: dict, new_tokens: int) -> tuple[float, float]:
     """(plain step, SD round) in seconds, as the fit predicts them for this run."""
-    b, g = run["batch"], run["gamma"]
-    context = run["context"] + new_tokens / 2
-    plain = float(model.target(b, 1, context, pipelined=True))
-    draft = float(pipelining.draft_step(model.params.draft_time(b, model.ridge_tokens), model.pipelining.draft_s, g))
-    verify = float(model.target(b, g + 1, context, pipelined=True))
-    return plain, g * draft + verify + float(model.params.reject_time(b))
+    g = run["gamma"]
+    plain, verify, draft, reject = model.step_times(run["batch"], g, decoding_context(run["context"], new_tokens))
+    return float(plain), float(g * draft + verify + reject)
 
 
 def measured_terms(run: dict) -> tuple[float, float]:
@@ -97,7 +92,7 @@ def main() -> int:
           f"{'floors':>13}  {'plain ms meas/pred':>19}  {'round ms meas/pred':>19}")
     errors, floors, predicted_floors = [], [], []
     for r, r2 in zip(spec["runs"], again["runs"]):
-        p2 = float(refitted.speedup(r["batch"], r["gamma"], r["alpha"], r["context"] + args.tokens / 2))
+        p2 = float(refitted.speedup(r["batch"], r["gamma"], r["alpha"], decoding_context(r["context"], args.tokens)))
         err = (r["predicted_speedup"] + p2) / (r["measured_speedup"] + r2["measured_speedup"]) - 1
         floor = r2["measured_speedup"] / r["measured_speedup"] - 1
         predicted_floor = p2 / r["predicted_speedup"] - 1
@@ -105,8 +100,9 @@ def main() -> int:
         floors.append(abs(floor))
         predicted_floors.append(abs(predicted_floor))
         (plain_p, round_p), (plain_m, round_m) = predicted_terms(model, r, args.tokens), measured_terms(r)
-        print(f"{r['batch']:>3} {r['gamma']:>5} {r['alpha']:>5.2f} {r['measured_speedup']:>6.3f}/{r2['measured_speedup']:.3f} "
-              f"{r['predicted_speedup']:>6.3f}/{p2:.3f} {err:>+7.1%} {floor:>+6.1%}/{predicted_floor:+.1%}  "
+        print(f"{r['batch']:>3} {r['gamma']:>5} {r['alpha']:>5.2f} "
+              f"{r['measured_speedup']:>6.3f}/{r2['measured_speedup']:.3f} {r['predicted_speedup']:>6.3f}/{p2:.3f} "
+              f"{err:>+7.1%} {floor:>+6.1%}/{predicted_floor:+.1%}  "
               f"{plain_m * 1e3:>7.2f}/{plain_p * 1e3:>6.2f} {plain_p / plain_m - 1:>+5.0%}  "
               f"{round_m * 1e3:>7.2f}/{round_p * 1e3:>6.2f} {round_p / round_m - 1:>+5.0%}")
     met = statistics.median(errors) <= GOAL_MEDIAN and max(errors) <= GOAL_WORST

@@ -102,9 +102,7 @@ def fit_routing(counts: dict[tuple[int, int], float], experts: int, top_k: int) 
         return full
 
     def residual(x):
-        c, cb = unpack(x)
-        return theory.activated_experts(theory.correlated_tokens(b, cb) * theory.correlated_tokens(t, c),
-                                        experts, top_k) - measured
+        return Routing(*unpack(x)).unique(b, t, experts, top_k) - measured
 
     k = int(free.sum())
     x = least_squares(residual, x0=np.full(k, 0.9), bounds=(np.full(k, MIN_CORRELATION), np.ones(k))).x

@@ -206,6 +206,13 @@ class FittedModel:
                 self_draft: bool = False, comm: bool = True) -> np.ndarray:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
         (``pipelining``); a self-draft's step is the target's."""
+        sigma = theory.normalised_acceptance(alpha, gamma)
+        return theory.speedup(sigma, gamma, *self.step_times(batch, gamma, context, verify, self_draft, comm))
+
+    def step_times(self, batch, gamma: int, context: int, verify: str = DEFAULT_VERIFY,
+                   self_draft: bool = False, comm: bool = True) -> tuple[np.ndarray, ...]:
+        """(plain step, verify forward, mean draft step, rejection sampling) of a round, each as
+        the loops run it; a round costs gamma draft steps + the verify + rejection sampling."""
         if not self.drafted:
             raise MacMoesdError(NO_DRAFT)
         plain = self.target(batch, 1, context, pipelined=True, comm=comm)
@@ -216,8 +223,7 @@ class FittedModel:
         else:
             draft = pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
                                           self.pipelining.draft_s, gamma)
-        sigma = theory.normalised_acceptance(alpha, gamma)
-        return theory.speedup(sigma, gamma, plain, verify_t, draft, self.params.reject_time(batch))
+        return plain, verify_t, draft, self.params.reject_time(batch)
 
     @classmethod
     def from_document(cls, doc: dict, variant: str | None = None) -> FittedModel:
@@ -449,14 +455,10 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
 
 def _target_time(inputs: FitInputs, loads: str, model: theory.TimeModel, k_kv: float, batch, tokens):
     """The fitted T_T at the sweep's points: the routing's own unique experts, the sweep's context
-    and a sharded sweep's measured communication."""
-    batch, tokens = np.asarray(batch, dtype=float), np.asarray(tokens, dtype=float)
-    n = batch * tokens
-    link = inputs.comm.time(n) if inputs.comm is not None else 0.0
-    active = inputs.routing.unique(batch, tokens, inputs.experts, inputs.top_k)
-    return (model.target_time(n, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads, inputs.sort_threshold,
-                              active)
-            + theory.kv_time(batch, inputs.context, k_kv) + link)
+    and a sharded sweep's measured communication (``FittedModel.target``, synchronous)."""
+    fitted = FittedModel(model, k_kv, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads,
+                         inputs.sort_threshold, inputs.drafted, comm=inputs.comm, routing=inputs.routing)
+    return fitted.target(batch, tokens, inputs.context)
 
 
 def _rows(inputs: FitInputs, loads: str, model: theory.TimeModel, k_kv: float, points: list) -> list[dict]:
@@ -709,11 +711,15 @@ def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
             "rows": cluster.cluster_rows(target, model.comm, speedup, lambda g: verify_tokens(g, verify))}
 
 
-def decoding_context(run: dict, doc: dict) -> float:
+def decoding_context(prompt: float, new_tokens: int) -> float:
     """The context an SD run's forwards see on average: its prompt, plus half the tokens it
     decodes (the cache grows by every one)."""
-    prompt = run["context"] if "context" in run else doc["context"]
-    return prompt + doc.get("new_tokens", 0) / 2
+    return prompt + new_tokens / 2
+
+
+def run_context(run: dict, doc: dict) -> float:
+    """``decoding_context`` of one row of a stored spec document."""
+    return decoding_context(run["context"] if "context" in run else doc["context"], doc.get("new_tokens", 0))
 
 
 def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):

@@ -271,9 +271,8 @@ def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
             if (b, g + 1) in measured:
                 active, how = measured[(b, g + 1)], "measured"
             else:
-                effective = (theory.correlated_tokens(b, batch_correlation)
-                             * theory.correlated_tokens(g + 1, correlation))
-                active, how = float(theory.activated_experts(effective, experts, top_k)), "predicted"
+                form = expert_reads.Routing(correlation, batch_correlation)
+                active, how = float(form.unique(b, g + 1, experts, top_k)), "predicted"
             saturation.append({"batch": b, "gamma": g, "verify_tokens": b * (g + 1), "unique": active,
                                "source": how, "saturated": active >= tau * experts})
     return {

@@ -369,7 +369,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                     measured = acceptance_fields(per_round, gamma)
                     effective = alpha if alpha is not None else measured["measured_alpha"]
                     # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
-                    decoding = decoding_context(row, {"new_tokens": cfg.new_tokens})
+                    decoding = decoding_context(row["context"], cfg.new_tokens)
                     predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", decoding)
                                  if predictor and effective is not None else None)
                     run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,

@@ -201,8 +201,8 @@ def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, voca
                     control: SweepRouting | None = None, steps: int = PIPELINED_STEPS) -> timing.Point:
     """``steps`` forwards of B x t tokens, each fed ids drawn from the previous one's argmax (a real
     data dependency, as in decoding; random ids, as the synchronous points are fed, since a
-    random-weight model's own argmax repeats one token), each next graph built and queued with ``mx.async_eval`` before
-    waiting on the current one: the loop of mlx-lm's ``generate_step``. One sample covers all
+    random-weight model's own argmax repeats one token), each next graph built and queued with
+    ``mx.async_eval`` before waiting on the current one: the loop of mlx-lm's ``generate_step``. One sample covers all
     ``steps``; ``timing.per_launch`` turns it into seconds per forward. With ``control`` every
     forward of the chain runs the point's prepared routing."""
     inputs = mx.random.randint(0, vocab, (batch, tokens))

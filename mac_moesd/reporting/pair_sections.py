@@ -239,7 +239,7 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
     rows = []
     for prompt_set, doc in docs.items():
         for r in doc["runs"]:
-            pred = (predictor(r["batch"], r["gamma"], r["alpha"], False, fit_module.decoding_context(r, doc))
+            pred = (predictor(r["batch"], r["gamma"], r["alpha"], False, fit_module.run_context(r, doc))
                     if predictor and r["alpha"] is not None else r["predicted_speedup"])
             rules = r.get("rules")
             rows.append([prompt_set, f"{r.get('temperature', 0):g}", str(r["batch"]), str(r["gamma"]),

@@ -97,7 +97,8 @@ def _verdict(d: Digest) -> list:
                 f"{peak['peak_batch']} ({f2(peak['peak_speedup'])}), within peak/sqrt(2) for batches "
                 f"{peak['window'][0]}-{peak['window'][1]}. A batch-1 step routes 1 token "
                 f"({fit['top_k']} of {fit['experts']} experts); its verify window of {window} tokens "
-                f"(gamma drafts plus one) activates {_window_experts(fit, window)} and makes {window * fit['top_k']} token-expert pairs, against MoESD's batch "
+                f"(gamma drafts plus one) activates {_window_experts(fit, window)} and makes "
+                f"{window * fit['top_k']} token-expert pairs, against MoESD's batch "
                 f"threshold of {threshold} tokens. "
                 + (f"Predictions use the `{fit['chosen']}` expert loads, which fit this chip better than "
                    "MoESD's `unique` (see the fitted model; `unique` is shown beside)."
@@ -126,17 +127,27 @@ DISAGREE = 0.25  # a timed batch-1 run this far from its prediction is named bes
 def _measured_check(d: Digest, fit: dict) -> str:
     """A sentence when a timed batch-1 SD run of this model contradicts the predicted verdict
     (one pays off, the other not) or misses it by more than DISAGREE; empty otherwise."""
-    runs = [r for doc in d.spec if doc.get("target") == fit["model"] for r in doc.get("runs", [])
-            if r["batch"] == 1 and r.get("predicted_speedup") and r.get("measured_speedup")]
-    off = [r for r in runs if (r["measured_speedup"] > 1) != (r["predicted_speedup"] > 1)
-           or abs(r["predicted_speedup"] / r["measured_speedup"] - 1) > DISAGREE]
+    predictor = fit_module.speedup_predictor(fit)
+    runs = [(r, _predicted(predictor, r, doc)) for doc in d.spec if doc.get("target") == fit["model"]
+            for r in doc.get("runs", []) if r["batch"] == 1 and r.get("measured_speedup")]
+    off = [(r, pred) for r, pred in runs if pred and ((r["measured_speedup"] > 1) != (pred > 1)
+                                                      or abs(pred / r["measured_speedup"] - 1) > DISAGREE)]
     if not off:
         return ""
     shown = "; ".join(f"gamma {r['gamma']} at alpha {r['alpha']:.2f}: measured {r['measured_speedup']:.2f}, "
-                      f"predicted {r['predicted_speedup']:.2f}" for r in off)
+                      f"predicted {pred:.2f}" for r, pred in off)
     return (f" **The timed SD runs at batch 1 disagree with this prediction** ({shown}; see Measured SD): the "
             "fitted forwards do not add up to the measured round here, so trust the measurement at these "
             "points and repeat the run on an idle machine before relying on the prediction.")
+
+
+def _predicted(predictor, run: dict, doc: dict) -> float | None:
+    """A timed SD run's speedup as the current fit predicts it (the run's own alpha and context),
+    or as stored with the run when there is no fit to predict with."""
+    if predictor is None or run["alpha"] is None:
+        return run["predicted_speedup"]
+    return predictor(run["batch"], run["gamma"], run["alpha"], run["mode"] == "self-draft",
+                     fit_module.run_context(run, doc))
 
 
 def _window_experts(fit: dict, window: int) -> str:
@@ -283,7 +294,8 @@ def _fit(d: Digest, figures) -> list:
         held, every = len(f["heldout_points"]), len(f["train_points"])
         blocks.append(("p", f"Held-out MAPE **{pct(f['heldout_mape'])}** over {held} points, from a fit to "
                        f"the other {every - held}; worst B={w['batch']} t={w['tokens']} at {w['error']:+.1%}. "
-                       f"The parameters below are refitted on all {every}. {routing_sentence(f)} Knee of G at **{f['knee_tokens']:.1f} tokens** per forward "
+                       f"The parameters below are refitted on all {every}. {routing_sentence(f)} "
+                       f"Knee of G at **{f['knee_tokens']:.1f} tokens** per forward "
                        + (f"(lam = {p['lam']:.3g} of the {f['ridge_tokens']:.1f}-token ridge for "
                           f"{f['weight_format']} weights; ridge from the {f['ridge_source']}). "
                           if f["ridge_flop_per_byte"] is not None else
@@ -382,10 +394,7 @@ def _spec(d: Digest) -> list:
         predictor = fit_module.speedup_predictor(fitted) if fitted else None
         rows = []
         for r in s["runs"]:
-            # Predicted with the current fit at the run's own alpha and context.
-            pred = (predictor(r["batch"], r["gamma"], r["alpha"], r["mode"] == "self-draft",
-                              fit_module.decoding_context(r, s))
-                    if predictor and r["alpha"] is not None else r["predicted_speedup"])
+            pred = _predicted(predictor, r, s)
             err = "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}"
             rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),
                          "-" if r["alpha"] is None else f"{r['alpha']:.2f}", r["mode"],
