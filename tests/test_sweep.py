@@ -152,17 +152,40 @@ def test_footprint_of_real_dimensions():
     assert dense.params_expert == 0 and dense.experts is None
 
 
-def test_pipelined_point_chains_forwards_and_restores_the_cache(config_dir):
+def test_pipelined_point_runs_every_forward_of_its_chain_at_the_points_context(config_dir):
     built = models.build(models.resolve(str(config_dir(zoo.miniature(zoo.by_name("tiny-moe").config)))))
     built.materialise()
     cache = sweep.RolledBackCache(built.model, 2, 12, built.config["vocab_size"])
-    point = sweep.pipelined_point(built.model, cache, batch=2, tokens=3, vocab=built.config["vocab_size"], steps=4)
+    seen = []
+
+    def model(x, cache):
+        seen.append((x.shape, cache[0].offset))
+        return built.model(x, cache=cache)
+
+    point = sweep.pipelined_point(model, cache, batch=2, tokens=3, vocab=built.config["vocab_size"], steps=4)
     last, _ = point.run()
     mx.eval(last)
     assert last.shape == (2, 3)
-    assert {c.offset for c in cache.cache} == {12 + 4 * 3}  # four forwards of three tokens
+    assert seen == [((2, 3), 12)] * 4
+    assert {c.offset for c in cache.cache} == {12}
     point.reset()
     assert {c.offset for c in cache.cache} == {12}
+
+
+def test_a_forward_built_after_a_rollback_sees_only_the_prefix(config_dir):
+    """The chain rolls the cache back before the forward it just built has run; MLX's cache
+    updates are new arrays, so the next forward attends to the prefix and its own tokens only."""
+    built = models.build(models.resolve(str(config_dir(zoo.miniature(zoo.by_name("tiny-moe").config)))))
+    built.materialise()
+    vocab = built.config["vocab_size"]
+    prompt = mx.random.randint(0, vocab, (1, 10))
+    first, second = mx.random.randint(0, vocab, (1, 3)), mx.random.randint(0, vocab, (1, 3))
+    chained = sweep.RolledBackCache(built.model, 1, 10, vocab, prompt)
+    built.model(first, cache=chained.cache)
+    chained.rollback(3)
+    lazy = built.model(second, cache=chained.cache)
+    fresh = sweep.RolledBackCache(built.model, 1, 10, vocab, prompt)
+    assert mx.allclose(lazy, built.model(second, cache=fresh.cache), atol=1e-5).item()
 
 
 def test_sweep_records_both_timings_at_every_point(tmp_path):

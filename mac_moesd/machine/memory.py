@@ -284,18 +284,18 @@ def _materialise(built) -> dict[str, int]:
 
 
 def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], context: int,
-                   chunk: int, extra_tokens: int = 0) -> dict:
-    """Peak of one sweep slice: the largest batch's cache is prefilled once and timed, then each
-    smaller batch runs on a copy of its rows; a pipelined sample grows the cache by
-    ``extra_tokens`` before its rollback."""
+                   chunk: int) -> dict:
+    """Peak of one sweep slice: the largest batch's cache is prefilled once, every smaller batch
+    gets a copy of its rows, and all are timed in one schedule (so all are alive together); a
+    forward grows a cache by its tokens before the rollback."""
     config, db = built.config, _dtype_bytes(built)
     # The config's layers are the ones this process caches (a pipeline stage holds fewer).
     per_slot = kv_bytes_per_slot(config, db) * config["num_hidden_layers"]
     big = max(batches)
-    rows = max((b for b in batches if b < big), default=0)
+    rows = sum(b for b in set(batches) if b < big)
     prefill = prefill_forwards(context, chunk)
     _, prefill_peak = kv_slots(prefill)
-    grown, grow_peak = kv_slots(prefill + [max(max(tokens), extra_tokens)])
+    grown, grow_peak = kv_slots(prefill + [max(tokens)])
     weights = built.footprint.bytes_total
     step = max(tokens)
     forward = {"activations": activation_bytes(config, db, big, step, context + step),

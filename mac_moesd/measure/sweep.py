@@ -1,14 +1,17 @@
 """The T_T(B, t) grid: forward time of B sequences of t new tokens each over a KV cache at context L.
 
-Per batch size the cache is prefilled once to the context; after every timed forward it is rolled
-back (trimmed, or restored from a snapshot for caches that cannot trim, e.g. sliding windows) and
-its offset checked. Every point is timed two ways, interleaved in one shuffled schedule:
-synchronously (one forward, graph construction included: what a verify forward that must be read
-back costs) and pipelined (a chain of forwards, each built while the previous one runs under
-``mx.async_eval``, as mlx-lm's generation loops do: what a decode step costs there). Also the drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B).
-Models too big for memory are measured on slices of N and 2N layers and extrapolated to full depth.
-On MoE models every point also records the unique experts and token-expert pairs its forwards
-ran, under the model's own routing or a forced one (``routing_control.py``).
+The largest batch's cache is prefilled once to the context and every smaller batch runs on a copy
+of its rows; after every timed forward a cache is rolled back (trimmed, or restored from a
+snapshot for caches that cannot trim, e.g. sliding windows) and its offset checked. Every point of
+every batch is timed two ways, in one shuffled schedule (so that drift over the minutes a sweep
+takes spreads over all points instead of landing on one batch's): synchronously (one forward,
+graph construction included: what a verify forward that must be read back costs) and pipelined (a
+chain of forwards, each built while the previous one runs under ``mx.async_eval``, as mlx-lm's
+generation loops do: what a decode step costs there). Also the drafter's one-token step
+T_D(B, 1) and rejection sampling T_rej(B). Models too big for memory are measured on slices of N
+and 2N layers and extrapolated to full depth. On MoE models every point also records the unique
+experts and token-expert pairs its forwards ran, under the model's own routing or a forced one
+(``routing_control.py``).
 """
 
 from __future__ import annotations
@@ -79,8 +82,7 @@ class SweepConfig:
 
 def estimate(built: models.Built, cfg: SweepConfig) -> dict:
     """Peak memory of measuring one slice (``memory.sweep_estimate``), before allocating it."""
-    return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK,
-                                 PIPELINED_STEPS * max(cfg.tokens))
+    return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK)
 
 
 def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
@@ -202,22 +204,30 @@ def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, voca
     """``steps`` forwards of B x t tokens, each fed ids drawn from the previous one's argmax (a real
     data dependency, as in decoding; random ids, as the synchronous points are fed, since a
     random-weight model's own argmax repeats one token), each next graph built and queued with
-    ``mx.async_eval`` before waiting on the current one: the loop of mlx-lm's ``generate_step``. One sample covers all
-    ``steps``; ``timing.per_launch`` turns it into seconds per forward. With ``control`` every
-    forward of the chain runs the point's prepared routing."""
+    ``mx.async_eval`` before waiting on the current one: the loop of mlx-lm's ``generate_step``.
+    One sample covers all ``steps``; ``timing.per_launch`` turns it into seconds per forward.
+
+    The cache is rolled back as soon as each forward's graph is built (the arrays it wrote stay
+    in the graph), so every forward of the chain runs at the point's context, as the synchronous
+    one does: their difference is then the graph-build time pipelining hides, not the attention
+    over the 8 t tokens a growing chain would add. With ``control`` every forward of the chain
+    runs the point's prepared routing."""
     inputs = mx.random.randint(0, vocab, (batch, tokens))
     mx.eval(inputs)
 
+    def step(x: mx.array) -> mx.array:
+        token = random_ids(mx.argmax(model(x, cache=cache.cache), axis=-1), vocab)
+        cache.rollback(tokens)
+        return token
+
     def run():
-        outputs = timing.pipelined(lambda x: random_ids(mx.argmax(model(x, cache=cache.cache), axis=-1), vocab),
-                                   inputs, steps)
-        return outputs[-1], cache.state()
+        return timing.pipelined(step, inputs, steps)[-1], cache.state()
 
     if control is None:
-        return timing.Point(run=run, reset=lambda: cache.rollback(steps * tokens))
+        return timing.Point(run=run, reset=cache.reset)
     control.prepare(batch, tokens, lambda: (model(inputs, cache=cache.cache), cache.state()),
                     lambda: cache.rollback(tokens))
-    return timing.Point(run=lambda: control.run(batch, tokens, run), reset=lambda: cache.rollback(steps * tokens))
+    return timing.Point(run=lambda: control.run(batch, tokens, run), reset=cache.reset)
 
 
 def reject_point(batch: int, gamma: int, vocab: int) -> timing.Point:
@@ -287,32 +297,34 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
             parent = RolledBackCache(built.model, big, cfg.context, vocab)
         return parent if batch == big else parent.rows(batch)
 
-    # Largest first: its cache grows before smaller batches copy its rows.
-    for batch in sorted(cfg.batches, reverse=True):
-        todo = [(kind, t) for t in tokens for kind in kinds if point_key(batch, t) not in entry[kind]]
+    # Every missing point of every batch goes into one shuffled schedule: a batch's points timed
+    # in a block of their own would each see the machine in a different state (a shared or
+    # warming machine drifts by 10% or more over minutes), and the fit would read that drift as
+    # a difference between batches. Caches: the largest batch's prefill, then copies of its rows.
+    todo = [(kind, b, t) for b in cfg.batches for t in tokens for kind in kinds
+            if point_key(b, t) not in entry[kind]]
+    for b in cfg.batches:
         for t in tokens:
-            if all(point_key(batch, t) in entry[kind] for kind in kinds):
-                progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t} (kept)")
-        if not todo:
-            continue
-        cache = cache_for(batch)
-        points = {(kind, t): kinds[kind](built.model, cache, batch, t, vocab, control) for kind, t in todo}
+            if all(point_key(b, t) in entry[kind] for kind in kinds):
+                progress.advance(f"{built.source.name} layers={built.layers} B={b} t={t} (kept)")
+    caches = {b: cache_for(b) for b in sorted({b for _, b, _ in todo}, reverse=True)}
+    points = {(kind, b, t): kinds[kind](built.model, caches[b], b, t, vocab, control) for kind, b, t in todo}
 
-        def done(key, m, batch=batch):
-            kind, t = key
-            if kind == "pipelined_points":
-                m = {**timing.per_launch(m, PIPELINED_STEPS).to_dict(), "steps": PIPELINED_STEPS}
-            else:
-                m = {**m.to_dict(), **(control.stats[(batch, t)] if control else {})}
-            entry[kind][point_key(batch, t)] = m
-            save()
-            if all(point_key(batch, t) in entry[k] for k in kinds):
-                progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
+    def done(key, m):
+        kind, batch, t = key
+        if kind == "pipelined_points":
+            m = {**timing.per_launch(m, PIPELINED_STEPS).to_dict(), "steps": PIPELINED_STEPS}
+        else:
+            m = {**m.to_dict(), **(control.stats[(batch, t)] if control else {})}
+        entry[kind][point_key(batch, t)] = m
+        save()
+        if all(point_key(batch, t) in entry[k] for k in kinds):
+            progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
 
-        # A shape's synchronous and pipelined timings are compared (the graph-build time pipelining
-        # hides), so they are taken back to back.
-        timing.measure(points, cfg.budget, rng, on_done=done, group=lambda key: key[1])
-        del cache, points
+    # A shape's synchronous and pipelined timings are compared (the graph-build time pipelining
+    # hides), so they are taken back to back.
+    timing.measure(points, cfg.budget, rng, on_done=done, group=lambda key: key[1:])
+    del caches, points
     ran = parent is not None
     if check_drift and (ran or "drift" not in entry):
         entry["drift"] = measure_drift(built, cfg, entry, rng, cache_for(cfg.batches[0]), control)
