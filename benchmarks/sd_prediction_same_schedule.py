@@ -78,8 +78,8 @@ def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | 
     for (b, t), m in sync.items():
         out["points"][sweep.point_key(b, t)] = {**m.to_dict(), **stats.get((b, t), {})}
     for (b, t), m in pipe.items():
-        out["pipelined_points"][sweep.point_key(b, t)] = {
-            **timing.per_launch(m, sweep.PIPELINED_STEPS).to_dict(), "steps": sweep.PIPELINED_STEPS}
+        steps = sweep.pipelined_steps(t)
+        out["pipelined_points"][sweep.point_key(b, t)] = {**timing.per_launch(m, steps).to_dict(), "steps": steps}
     return out
 
 

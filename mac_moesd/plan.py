@@ -97,10 +97,10 @@ def point_seconds(t: float, budget: timing.Budget) -> float:
     return (budget.warmup + n) * t
 
 
-def grid_point_seconds(t: float, budget: timing.Budget) -> float:
-    """A sweep point is timed twice: one synchronous forward per sample, and a pipelined chain
-    of ``sweep.PIPELINED_STEPS`` forwards per sample."""
-    return point_seconds(t, budget) + point_seconds(sweep.PIPELINED_STEPS * t, budget)
+def grid_point_seconds(t: float, budget: timing.Budget, tokens: int) -> float:
+    """A sweep point of ``tokens`` new tokens is timed twice: one synchronous forward per sample,
+    and a pipelined chain of ``sweep.pipelined_steps(tokens)`` forwards per sample."""
+    return point_seconds(t, budget) + point_seconds(sweep.pipelined_steps(tokens) * t, budget)
 
 
 def prefill_seconds(built, rates: Rates, batch: int, context: int) -> float:
@@ -138,7 +138,7 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
         need = sweep.estimate(built, cfg)
         big = max(plan.batches)
         seconds += materialise_seconds(built, rates) + prefill_seconds(built, rates, big, plan.context)
-        seconds += sum(grid_point_seconds(forward_seconds(built, rates, b, t, plan.context), plan.budget)
+        seconds += sum(grid_point_seconds(forward_seconds(built, rates, b, t, plan.context), plan.budget, t)
                        for b in plan.batches for t in plan.tokens)
         first = forward_seconds(built, rates, plan.batches[0], plan.tokens[0], plan.context)
         seconds += point_seconds(first, plan.budget)  # the drift check
@@ -151,7 +151,7 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
         need = sweep.estimate(draft, draft_cfg)
         peak = max(peak, need["peak_bytes"])
         seconds += materialise_seconds(draft, rates) + prefill_seconds(draft, rates, max(plan.batches), plan.context)
-        seconds += sum(grid_point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget)
+        seconds += sum(grid_point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget, 1)
                        for b in plan.batches)
         models_used.append(cfg.draft)
     vocab = source.config["vocab_size"]

@@ -99,7 +99,7 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
         seconds += max(single.materialise_seconds(b, rates) for b in builds)  # ranks load at once
         prefills = [single.prefill_seconds(b, rates, big, plan.context) for b in builds]
         seconds += sum(prefills) if parallel == "pipeline" else max(prefills)
-        seconds += sum(single.grid_point_seconds(forward(b, t), budget) for b in plan.batches for t in plan.tokens)
+        seconds += sum(single.grid_point_seconds(forward(b, t), budget, t) for b in plan.batches for t in plan.tokens)
         seconds += single.point_seconds(forward(plan.batches[0], plan.tokens[0]), budget)  # the drift check
         # the communication benchmark: each collective timed for a point's budget, calibrated
         # evals lasting at least MIN_EVAL_S
@@ -114,7 +114,7 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
     draft_need = sweep.estimate(draft, replace(cfg, model=plan.draft, tokens=(1,)))
     peak = max(peak, draft_need["peak_bytes"])
     seconds += single.materialise_seconds(draft, rates) + single.prefill_seconds(draft, rates, big, plan.context)
-    seconds += sum(single.grid_point_seconds(single.forward_seconds(draft, rates, b, 1, plan.context), budget)
+    seconds += sum(single.grid_point_seconds(single.forward_seconds(draft, rates, b, 1, plan.context), budget, 1)
                    for b in plan.batches)
     vocab = source.config["vocab_size"]
     peak = max(peak, memory.rejection_bytes(vocab, big, cfg.gamma))

@@ -27,10 +27,24 @@ def test_hidden_seconds_is_the_median_difference_clipped_to_half_a_forward():
     assert pipelining.pipelined([0.010, 0.002], 0.002).tolist() == pytest.approx([0.008, 0.001])
 
 
+def test_the_hidden_figure_comes_from_the_one_token_points_when_the_grid_has_them():
+    data = with_pipelined(synthetic_results(noise=0.0))
+    for entry in data["sweeps"].values():  # longer windows: chains that hide nothing
+        for key, m in entry["pipelined_points"].items():
+            if not key.endswith("x1"):
+                m["median_s"] = entry["points"][key]["median_s"]
+    assert fit.fit(fit.inputs_from_results(data)).pipelining.target_s == pytest.approx(HIDDEN_T, rel=1e-6)
+    for entry in data["sweeps"].values():  # a grid without t = 1 takes every point
+        for key in [k for k in entry["points"] if k.endswith("x1")]:
+            del entry["points"][key], entry["pipelined_points"][key]
+    assert fit.fit(fit.inputs_from_results(data)).pipelining.target_s == 0.0
+
+
 def test_fit_measures_what_pipelining_hides_and_predicts_each_loop_with_it():
     result = fit.fit(fit.inputs_from_results(with_pipelined(synthetic_results(noise=0.0))))
     p = result.pipelining
-    assert p.target_s == pytest.approx(HIDDEN_T, rel=1e-6) and p.target_points == 30
+    decode_points = len({b for b, t, _ in result.inputs.target if t == 1})
+    assert p.target_s == pytest.approx(HIDDEN_T, rel=1e-6) and p.target_points == decode_points
     assert p.draft_s == pytest.approx(HIDDEN_D, rel=1e-6) and p.draft_points == 5
     assert p.target_mape < 0.05
     m = result.model()

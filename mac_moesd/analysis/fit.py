@@ -533,8 +533,12 @@ def measure_pipelining(result: FitResult) -> pipelining.Pipelining:
     """The seconds per forward pipelining hides, from the points timed both ways, and how well
     the fitted T_T less that figure matches the pipelined points."""
     i = result.inputs
-    target_s, target_n = pipelining.hidden_seconds({(b, t): s for b, t, s in i.target},
-                                                   {(b, t): s for b, t, s in i.target_pipelined})
+    # From the one-token points: their chains are as long as decoding's (``sweep.DECODE_STEPS``)
+    # and their forwards the shortest, so the figure's noise the smallest; a grid without t = 1
+    # takes every point.
+    pipelined = {(b, t): s for b, t, s in i.target_pipelined}
+    decode = {k: s for k, s in pipelined.items() if k[1] == 1}
+    target_s, target_n = pipelining.hidden_seconds({(b, t): s for b, t, s in i.target}, decode or pipelined)
     draft_s, draft_n = pipelining.hidden_seconds(dict(i.draft), dict(i.draft_pipelined))
     found = pipelining.Pipelining(target_s, draft_s, target_n, draft_n)
     if not target_n:

@@ -5,7 +5,9 @@ so in plain decode and in the drafter's steps the cost of building a graph (Pyth
 hidden behind the previous forward's compute. A speculative round cannot hide its first draft
 step: it waits for the verify result before it knows what to draft. The sweep times every point
 both ways; the hidden part is their difference, about constant per forward (building a graph
-costs the same whatever B and t), so one figure per model carries it to any batch and window.
+costs the same whatever B and t), so one figure per model carries it to any batch and window. It
+is taken from the one-token points, timed in chains as long as decoding's: a chain's fixed cost
+(filling the pipeline) is spread over its forwards, and the smallest forwards vary least.
 
 Per round (gamma draft steps, one verify of gamma+1 tokens):
   round = T_D,sync + (gamma - 1) * T_D,pipe + T_T,pipe(B, gamma+1) + T_rej
