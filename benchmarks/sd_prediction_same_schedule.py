@@ -39,6 +39,7 @@ from mac_moesd.measure.spec_loop import Decoder
 GOAL_MEDIAN, GOAL_WORST = 0.05, 0.10
 BATCHES, TOKENS, SD_BATCHES, GAMMAS = (1, 2, 4, 8), (1, 2, 3, 4, 5, 6, 8), (1, 2, 4), (2, 4)
 REJECT_GAMMA = 4  # as the sweep times T_rej(B) by default
+CHAINS = timing.Budget()  # pipelined chains as long as a sweep at the default budget runs them
 
 
 def grid(built, context: int, tokens, control) -> tuple[dict, dict]:
@@ -47,7 +48,8 @@ def grid(built, context: int, tokens, control) -> tuple[dict, dict]:
     parent = sweep.RolledBackCache(built.model, max(BATCHES), context, vocab)
     caches = {b: parent if b == max(BATCHES) else parent.rows(b) for b in sorted(BATCHES, reverse=True)}
     sync = {(b, t): sweep.forward_point(built.model, caches[b], b, t, vocab, control) for b in BATCHES for t in tokens}
-    pipe = {(b, t): sweep.pipelined_point(built.model, caches[b], b, t, vocab, control) for b in BATCHES for t in tokens}
+    pipe = {(b, t): sweep.pipelined_point(built.model, caches[b], b, t, vocab, control, sweep.pipelined_steps(t, CHAINS))
+            for b in BATCHES for t in tokens}
     return sync, pipe
 
 
@@ -78,7 +80,7 @@ def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | 
     for (b, t), m in sync.items():
         out["points"][sweep.point_key(b, t)] = {**m.to_dict(), **stats.get((b, t), {})}
     for (b, t), m in pipe.items():
-        steps = sweep.pipelined_steps(t)
+        steps = sweep.pipelined_steps(t, CHAINS)
         out["pipelined_points"][sweep.point_key(b, t)] = {**timing.per_launch(m, steps).to_dict(), "steps": steps}
     return out
 

@@ -99,8 +99,8 @@ def point_seconds(t: float, budget: timing.Budget) -> float:
 
 def grid_point_seconds(t: float, budget: timing.Budget, tokens: int) -> float:
     """A sweep point of ``tokens`` new tokens is timed twice: one synchronous forward per sample,
-    and a pipelined chain of ``sweep.pipelined_steps(tokens)`` forwards per sample."""
-    return point_seconds(t, budget) + point_seconds(sweep.pipelined_steps(tokens) * t, budget)
+    and a pipelined chain of ``sweep.pipelined_steps(tokens, budget)`` forwards per sample."""
+    return point_seconds(t, budget) + point_seconds(sweep.pipelined_steps(tokens, budget) * t, budget)
 
 
 def prefill_seconds(built, rates: Rates, batch: int, context: int) -> float:

@@ -533,7 +533,7 @@ def measure_pipelining(result: FitResult) -> pipelining.Pipelining:
     """The seconds per forward pipelining hides, from the points timed both ways, and how well
     the fitted T_T less that figure matches the pipelined points."""
     i = result.inputs
-    # From the one-token points: their chains are as long as decoding's (``sweep.DECODE_STEPS``)
+    # From the one-token points: their chains are as long as decoding's (``Budget.decode_chain``)
     # and their forwards the shortest, so the figure's noise the smallest; a grid without t = 1
     # takes every point.
     pipelined = {(b, t): s for b, t, s in i.target_pipelined}

@@ -7,8 +7,8 @@ every batch is timed two ways, in one shuffled schedule (so that drift over the 
 takes spreads over all points instead of landing on one batch's): synchronously (one forward,
 graph construction included: what a verify forward that must be read back costs) and pipelined (a
 chain of forwards, each built while the previous one runs under ``mx.async_eval``, as mlx-lm's
-generation loops do: what a decode step costs there; one-token chains are ``DECODE_STEPS`` long,
-since decoding runs long chains and a chain's fixed cost is spread over its forwards). Also the
+generation loops do: what a decode step costs there; one-token chains are ``Budget.decode_chain``
+long, since decoding runs long chains and a chain's fixed cost is spread over its forwards). Also the
 drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B). Models too big for memory are
 measured on slices of N and 2N layers and extrapolated to full depth. On MoE models every point
 also records the unique experts and token-expert pairs its forwards ran, under the model's own
@@ -38,16 +38,15 @@ __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
 PREFILL_CHUNK = 512
 PIPELINED_STEPS = 8  # forwards per pipelined sample of t > 1 tokens (verify-sized windows)
-# Forwards per pipelined sample of one token: a decode step, which mlx-lm runs in chains as long as
-# the generation. A chain has a fixed cost (filling the pipeline, the last wait) spread over its
-# forwards: on a 2-core Linux box chains of 8 one-token forwards cost 0.4-0.7 ms more per forward
-# than chains of 64 (B = 1, 2, 4, one shuffled schedule), and chains of 32 leave a seventh of that.
-DECODE_STEPS = 32
 
 
-def pipelined_steps(tokens: int) -> int:
-    """Forwards per pipelined sample of a point of ``tokens`` new tokens per sequence."""
-    return DECODE_STEPS if tokens == 1 else PIPELINED_STEPS
+def pipelined_steps(tokens: int, budget: timing.Budget) -> int:
+    """Forwards per pipelined sample of a point of ``tokens`` new tokens per sequence: a decode
+    step's chain is ``budget.decode_chain`` long; a verify window is pipelined behind one draft
+    step only, so its chains stay short."""
+    return budget.decode_chain if tokens == 1 else PIPELINED_STEPS
+
+
 # How a target model is built: models.build, or a sharded build (measure.distributed).
 Builder = Callable[..., models.Built]
 
@@ -211,7 +210,7 @@ def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
 
 
 def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
-                    control: SweepRouting | None = None, steps: int | None = None) -> timing.Point:
+                    control: SweepRouting | None = None, steps: int = PIPELINED_STEPS) -> timing.Point:
     """``steps`` forwards of B x t tokens, each fed ids drawn from the previous one's argmax (a real
     data dependency, as in decoding; random ids, as the synchronous points are fed, since a
     random-weight model's own argmax repeats one token), each next graph built and queued with
@@ -222,8 +221,7 @@ def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, voca
     in the graph), so every forward of the chain runs at the point's context, as the synchronous
     one does: their difference is then the graph-build time pipelining hides, not the attention
     over the 8 t tokens a growing chain would add. With ``control`` every forward of the chain
-    runs the point's prepared routing. ``steps`` defaults to ``pipelined_steps(tokens)``."""
-    steps = steps or pipelined_steps(tokens)
+    runs the point's prepared routing."""
     inputs = mx.random.randint(0, vocab, (batch, tokens))
     mx.eval(inputs)
 
@@ -301,7 +299,8 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     big = max(cfg.batches)
     parent = None
     entry.setdefault("pipelined_points", {})
-    kinds = {"points": forward_point, "pipelined_points": pipelined_point}
+    kinds = {"points": forward_point,
+             "pipelined_points": lambda *args: pipelined_point(*args, steps=pipelined_steps(args[3], cfg.budget))}
 
     def cache_for(batch: int) -> RolledBackCache:
         nonlocal parent
@@ -325,7 +324,7 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     def done(key, m):
         kind, batch, t = key
         if kind == "pipelined_points":
-            steps = pipelined_steps(t)
+            steps = pipelined_steps(t, cfg.budget)
             m = {**timing.per_launch(m, steps).to_dict(), "steps": steps}
         else:
             m = {**m.to_dict(), **(control.stats[(batch, t)] if control else {})}
