@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mac_moesd.analysis.fit import FittedModel, decoding_context
+from mac_moesd.analysis.fit import FittedModel, decoding_context, run_alpha
 
 GOAL_MEDIAN, GOAL_WORST = 0.05, 0.10
 
@@ -92,7 +92,7 @@ def main() -> int:
           f"{'floors':>13}  {'plain ms meas/pred':>19}  {'round ms meas/pred':>19}")
     errors, floors, predicted_floors = [], [], []
     for r, r2 in zip(spec["runs"], again["runs"]):
-        p2 = float(refitted.speedup(r["batch"], r["gamma"], r["alpha"], decoding_context(r["context"], args.tokens)))
+        p2 = float(refitted.speedup(r["batch"], r["gamma"], run_alpha(r2), decoding_context(r["context"], args.tokens)))
         err = (r["predicted_speedup"] + p2) / (r["measured_speedup"] + r2["measured_speedup"]) - 1
         floor = r2["measured_speedup"] / r["measured_speedup"] - 1
         predicted_floor = p2 / r["predicted_speedup"] - 1

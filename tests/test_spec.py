@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd.analysis import acceptance
+from mac_moesd.analysis import acceptance, fit
 from mac_moesd.measure import sampling, spec
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
@@ -31,7 +31,7 @@ def test_self_draft_accepts_everything():
         assert run["predicted_speedup"] is None
 
 
-def test_emulated_acceptance_uses_alpha_and_the_predictor():
+def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
     calls = []
 
     def predictor(b, g, a, self_draft, context):
@@ -42,7 +42,8 @@ def test_emulated_acceptance_uses_alpha_and_the_predictor():
     assert [(r["batch"], r["alpha"]) for r in doc["runs"]] == [(1, 0.5), (2, 0.5)]
     # The run's own context, not the fit's, goes to the predictor: the cache's mean length over
     # the decode, from the 8-token prompt to 8 + 16.
-    assert calls == [(1, 2, 0.5, False, 16), (2, 2, 0.5, False, 16)]
+    # The prediction is at the acceptance the draws realised, which the measured speedup came from.
+    assert calls == [(r["batch"], 2, r["measured_alpha"], False, 16) for r in doc["runs"]]
     for run in doc["runs"]:
         assert 0.0 <= run["measured_alpha"] <= 1.0 and run["predicted_speedup"] == 1.5
         assert run["rounds"] > 0 and len(run["acceptance_by_position"]) == 2
@@ -88,3 +89,10 @@ def test_cli_spec_json(tmp_path):
     assert KEYS <= set(doc["runs"][0])
     assert doc["runs"][0]["mode"] == "emulated-acceptance"
     assert "no fit of tiny-moe" in result.stderr
+
+
+def test_a_runs_prediction_takes_the_acceptance_it_realised():
+    assert fit.run_alpha({"alpha": 0.7, "measured_alpha": 0.59}) == 0.59
+    assert fit.run_alpha({"alpha": 0.7, "measured_alpha": 0.0}) == 0.0  # none accepted is a measurement
+    assert fit.run_alpha({"alpha": 0.7, "measured_alpha": None}) == 0.7
+    assert fit.run_alpha({"alpha": None, "measured_alpha": None}) is None

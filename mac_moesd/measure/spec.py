@@ -28,7 +28,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from mac_moesd.analysis import acceptance
-from mac_moesd.analysis.fit import decoding_context
+from mac_moesd.analysis.fit import decoding_context, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.machine import memory
@@ -370,8 +370,9 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                     effective = alpha if alpha is not None else measured["measured_alpha"]
                     # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
                     decoding = decoding_context(row["context"], cfg.new_tokens)
-                    predicted = (predictor(batch, gamma, effective, cfg.mode == "self-draft", decoding)
-                                 if predictor and effective is not None else None)
+                    realised = run_alpha({"alpha": effective, **measured})
+                    predicted = (predictor(batch, gamma, realised, cfg.mode == "self-draft", decoding)
+                                 if predictor and realised is not None else None)
                     run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
                            "prompts": inputs.name, "temperature": temperature, **measured,
                            "predicted_speedup": predicted, "repeats": cfg.repeats, **row}

@@ -134,7 +134,7 @@ def _measured_check(d: Digest, fit: dict) -> str:
                                                       or abs(pred / r["measured_speedup"] - 1) > DISAGREE)]
     if not off:
         return ""
-    shown = "; ".join(f"gamma {r['gamma']} at alpha {r['alpha']:.2f}: measured {r['measured_speedup']:.2f}, "
+    shown = "; ".join(f"gamma {r['gamma']} at alpha {fit_module.run_alpha(r):.2f}: measured {r['measured_speedup']:.2f}, "
                       f"predicted {pred:.2f}" for r, pred in off)
     return (f" **The timed SD runs at batch 1 disagree with this prediction** ({shown}; see Measured SD): the "
             "fitted forwards do not add up to the measured round here, so trust the measurement at these "
@@ -144,9 +144,9 @@ def _measured_check(d: Digest, fit: dict) -> str:
 def _predicted(predictor, run: dict, doc: dict) -> float | None:
     """A timed SD run's speedup as the current fit predicts it (the run's own alpha and context),
     or as stored with the run when there is no fit to predict with."""
-    if predictor is None or run["alpha"] is None:
+    if predictor is None or fit_module.run_alpha(run) is None:
         return run["predicted_speedup"]
-    return predictor(run["batch"], run["gamma"], run["alpha"], run["mode"] == "self-draft",
+    return predictor(run["batch"], run["gamma"], fit_module.run_alpha(run), run["mode"] == "self-draft",
                      fit_module.run_context(run, doc))
 
 
@@ -400,12 +400,13 @@ def _spec(d: Digest) -> list:
                          "-" if r["alpha"] is None else f"{r['alpha']:.2f}", r["mode"],
                          f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                          f2(r["measured_speedup"]), "-" if pred is None else f2(pred), err])
-        how = (f"predicted by the current fit (`{fitted['chosen']}` expert loads) at each run's alpha and "
+        how = (f"predicted by the current fit (`{fitted['chosen']}` expert loads) at each run's realised alpha and "
                f"context" if predictor else "predicted as stored with the run")
         blocks.append(("p", f"{s['target']} with drafter {s['draft']}, context {s['context']}, "
                        f"{s['new_tokens']} tokens per sequence, median of {s['runs'][0]['repeats']} runs; "
                        f"each verify forward has gamma+1 tokens; {how}. In emulated-acceptance runs alpha "
-                       "is imposed; in real runs it is solved from the mean accepted draft tokens per round."))
+                       "is imposed (the table's), and the draws scatter around it; predictions use the "
+                       "alpha each run realised, solved from its mean accepted draft tokens per round."))
         blocks.append(("table", ["B", "gamma", "verify tokens", "alpha", "mode", "plain tok/s", "SD tok/s",
                                  "measured S", "predicted S", "pred/meas"], rows))
     return blocks
