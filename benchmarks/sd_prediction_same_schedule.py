@@ -45,8 +45,7 @@ CHAINS = timing.Budget()  # pipelined chains as long as a sweep at the default b
 def grid(built, context: int, tokens, control) -> tuple[dict, dict]:
     """Synchronous and pipelined points of one model: {(B, t): Point} each, on one prefill."""
     vocab = built.config["vocab_size"]
-    parent = sweep.RolledBackCache(built.model, max(BATCHES), context, vocab)
-    caches = {b: parent if b == max(BATCHES) else parent.rows(b) for b in sorted(BATCHES, reverse=True)}
+    caches = sweep.batch_caches(sweep.RolledBackCache(built.model, max(BATCHES), context, vocab), BATCHES)
     sync = {(b, t): sweep.forward_point(built.model, caches[b], b, t, vocab, control) for b in BATCHES for t in tokens}
     pipe = {(b, t): sweep.pipelined_point(built.model, caches[b], b, t, vocab, control, sweep.pipelined_steps(t, CHAINS))
             for b in BATCHES for t in tokens}
@@ -77,11 +76,9 @@ def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | 
     out = {**sweep.entry_header(built, context), "points": {}, "pipelined_points": {}}
     if role:
         out["role"] = role
-    for (b, t), m in sync.items():
-        out["points"][sweep.point_key(b, t)] = {**m.to_dict(), **stats.get((b, t), {})}
-    for (b, t), m in pipe.items():
-        steps = sweep.pipelined_steps(t, CHAINS)
-        out["pipelined_points"][sweep.point_key(b, t)] = {**timing.per_launch(m, steps).to_dict(), "steps": steps}
+    for kind, measured in (("points", sync), ("pipelined_points", pipe)):
+        for (b, t), m in measured.items():
+            out[kind][sweep.point_key(b, t)] = sweep.recorded(kind, t, m, CHAINS, stats.get((b, t), {}))
     return out
 
 

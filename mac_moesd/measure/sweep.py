@@ -137,7 +137,7 @@ class RolledBackCache:
 
     def __init__(self, model, batch: int, context: int, vocab: int, prompt: mx.array | None = None):
         self.cache = make_prompt_cache(model)
-        self.context = context
+        self.batch, self.context = batch, context
         if prompt is None:
             prompt = mx.random.randint(0, vocab, (batch, context))
         for start in range(0, context, PREFILL_CHUNK):
@@ -172,7 +172,7 @@ class RolledBackCache:
             return tuple(mx.array(s[:batch]) if isinstance(s, mx.array) else s for s in state)
 
         out = object.__new__(RolledBackCache)
-        out.context, out.trimmable = self.context, self.trimmable
+        out.batch, out.context, out.trimmable = batch, self.context, self.trimmable
         out.cache = []
         for c in self.cache:
             copied = copy.copy(c)
@@ -184,6 +184,12 @@ class RolledBackCache:
 
     def state(self) -> list:
         return [c.state for c in self.cache]
+
+
+def batch_caches(parent: RolledBackCache, batches) -> dict[int, RolledBackCache]:
+    """A cache per batch on one prefill: ``parent`` for its own batch, copies of its first rows
+    for the smaller ones (made largest first, before anything is timed)."""
+    return {b: parent if b == parent.batch else parent.rows(b) for b in sorted(set(batches), reverse=True)}
 
 
 def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
@@ -248,6 +254,15 @@ def reject_point(batch: int, gamma: int, vocab: int) -> timing.Point:
     return timing.Point(run=lambda: rejection_sample(target, draft, tokens))
 
 
+def recorded(kind: str, tokens: int, m: timing.Measurement, budget: timing.Budget, stats: dict) -> dict:
+    """A measured point as a sweep entry stores it: a synchronous one (``points``) with what its
+    routing counted, a pipelined one (``pipelined_points``) per forward with its chain length."""
+    if kind == "pipelined_points":
+        steps = pipelined_steps(tokens, budget)
+        return {**timing.per_launch(m, steps).to_dict(), "steps": steps}
+    return {**m.to_dict(), **stats}
+
+
 def point_key(batch: int, tokens: int) -> str:
     return f"{batch}x{tokens}"
 
@@ -299,8 +314,7 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     big = max(cfg.batches)
     parent = None
     entry.setdefault("pipelined_points", {})
-    kinds = {"points": forward_point,
-             "pipelined_points": lambda *args: pipelined_point(*args, steps=pipelined_steps(args[3], cfg.budget))}
+    kinds = ("points", "pipelined_points")
 
     def cache_for(batch: int) -> RolledBackCache:
         nonlocal parent
@@ -318,17 +332,19 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
         for t in tokens:
             if all(point_key(b, t) in entry[kind] for kind in kinds):
                 progress.advance(f"{built.source.name} layers={built.layers} B={b} t={t} (kept)")
-    caches = {b: cache_for(b) for b in sorted({b for _, b, _ in todo}, reverse=True)}
-    points = {(kind, b, t): kinds[kind](built.model, caches[b], b, t, vocab, control) for kind, b, t in todo}
+    caches = batch_caches(cache_for(big), {b for _, b, _ in todo}) if todo else {}
+
+    def point(kind: str, b: int, t: int) -> timing.Point:
+        if kind == "points":
+            return forward_point(built.model, caches[b], b, t, vocab, control)
+        return pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
+
+    points = {key: point(*key) for key in todo}
 
     def done(key, m):
         kind, batch, t = key
-        if kind == "pipelined_points":
-            steps = pipelined_steps(t, cfg.budget)
-            m = {**timing.per_launch(m, steps).to_dict(), "steps": steps}
-        else:
-            m = {**m.to_dict(), **(control.stats[(batch, t)] if control else {})}
-        entry[kind][point_key(batch, t)] = m
+        entry[kind][point_key(batch, t)] = recorded(kind, t, m, cfg.budget,
+                                                    control.stats[(batch, t)] if control else {})
         save()
         if all(point_key(batch, t) in entry[k] for k in kinds):
             progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")

@@ -144,9 +144,10 @@ def _measured_check(d: Digest, fit: dict) -> str:
 def _predicted(predictor, run: dict, doc: dict) -> float | None:
     """A timed SD run's speedup as the current fit predicts it (the run's own alpha and context),
     or as stored with the run when there is no fit to predict with."""
-    if predictor is None or fit_module.run_alpha(run) is None:
+    alpha = fit_module.run_alpha(run)
+    if predictor is None or alpha is None:
         return run["predicted_speedup"]
-    return predictor(run["batch"], run["gamma"], fit_module.run_alpha(run), run["mode"] == "self-draft",
+    return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft",
                      fit_module.run_context(run, doc))
 
 
