@@ -150,6 +150,10 @@ budget_options = [
     click.option("--quick", is_flag=True, help="Small time budget per point (for a first look)."),
     click.option("--seconds-per-point", type=click.FloatRange(0, min_open=True), default=None,
                  help="Time budget per grid point [default: 2, or 0.5 with --quick]."),
+    click.option("--decode-chain", type=click.IntRange(min=2), default=None, metavar="N",
+                 help="Forwards per pipelined sample of the one-token points, as a decode loop "
+                      "chains them; longer chains spread the chain's fixed cost as a long "
+                      "generation does [default: 32]."),
 ]
 
 
@@ -162,11 +166,13 @@ def with_options(options):
     return decorate
 
 
-def budget_from(quick: bool, seconds: float | None):
+def budget_from(quick: bool, seconds: float | None, decode_chain: int | None = None):
     from mac_moesd.measure import timing
 
-    base = timing.QUICK if quick else timing.Budget()
-    return base if seconds is None else replace(base, seconds_per_point=seconds)
+    budget = timing.QUICK if quick else timing.Budget()
+    if seconds is not None:
+        budget = replace(budget, seconds_per_point=seconds)
+    return budget if decode_chain is None else replace(budget, decode_chain=decode_chain)
 
 
 memory_limit_option = click.option(
@@ -260,7 +266,8 @@ def open_store(out: Path | None, per_chip: bool = False):
                    "included, before all exit [default: 300].")
 @json_option
 def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, routing, gather,
-                  quick, seconds_per_point, memory_limit, out, parallel, rank_timeout, as_json) -> None:
+                  quick, seconds_per_point, decode_chain, memory_limit, out, parallel, rank_timeout,
+                  as_json) -> None:
     """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
 
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
@@ -271,8 +278,8 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
-                      gamma=gamma, budget=budget_from(quick, seconds_per_point), routing=routing,
-                      gather=gather)
+                      gamma=gamma, budget=budget_from(quick, seconds_per_point, decode_chain),
+                      routing=routing, gather=gather)
     validate(cfg)
     if rank_timeout is not None and not parallel:
         raise click.UsageError("--rank-timeout goes with --parallel")

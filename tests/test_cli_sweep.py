@@ -10,8 +10,9 @@ from click.testing import CliRunner
 
 from mac_moesd.machine import hardware
 from mac_moesd.cli import cli
+from mac_moesd.measure import sweep
 
-QUICK = ["--context", "16", "--seconds-per-point", "0.01", "--quick"]
+QUICK = ["--context", "16", "--seconds-per-point", "0.01", "--quick", "--decode-chain", "8"]
 
 
 def invoke(*args):
@@ -41,6 +42,8 @@ def test_sweep_json_contract(tmp_path):
     assert doc["context"] == 16 and doc["layers_full"] == 4
     for p in doc["points"]:
         assert {"batch", "tokens", "median_s", "iqr_s", "cv", "repeats"} <= set(p)
+        # --decode-chain sets the one-token points' chains; verify-sized windows keep theirs
+        assert p["pipelined"]["steps"] == (8 if p["tokens"] == 1 else sweep.PIPELINED_STEPS)
     assert doc["meta"]["backend"] == hardware.mlx_backend()
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["schema"] == "mac-moesd/1"
@@ -61,6 +64,7 @@ def test_sweep_table(tmp_path):
     (["sweep", "tiny-moe", "--tokens", "1,,2"], 2, "not a comma-separated list"),
     (["sweep", "tiny-moe", "--context", "5000"], 2, "maximum of 4096 positions"),
     (["sweep", "tiny-moe", "--layers", "9"], 2, "--layers must be in 1..4"),
+    (["sweep", "tiny-moe", "--decode-chain", "1"], 2, "1 is not in the range x>=2"),
 ])
 def test_sweep_bad_input(earlier_results, args, code, fragment):
     folder, content = earlier_results
@@ -121,8 +125,9 @@ def read_points(path):
 
 def test_sigkill_midway_then_resume(tmp_path):
     results = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2,4",
-           "--tokens", "1,2,3,4", "--context", "16", "--seconds-per-point", "0.2", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2",
+           "--tokens", "1,2,3", "--context", "16", "--seconds-per-point", "0.2", "--decode-chain", "8",
+           "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while len(read_points(results)) < 2 and time.time() < deadline and proc.poll() is None:
@@ -130,20 +135,21 @@ def test_sigkill_midway_then_resume(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = read_points(results)
-    assert 2 <= len(before) < 12, "the sweep should have been killed midway"
+    assert 2 <= len(before) < 6, "the sweep should have been killed midway"
     json.loads(results.read_text())  # still valid JSON
     done = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     after = read_points(results)
-    assert len(after) == 12
+    assert len(after) == 6
     for key, value in before.items():
         assert after[key] == value
 
 
 def test_ctrl_c_keeps_results_and_says_how_to_resume(tmp_path):
     results = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2,4",
-           "--tokens", "1,2,3,4", "--context", "16", "--seconds-per-point", "0.2", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2",
+           "--tokens", "1,2,3", "--context", "16", "--seconds-per-point", "0.2", "--decode-chain", "8",
+           "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
@@ -154,4 +160,4 @@ def test_ctrl_c_keeps_results_and_says_how_to_resume(tmp_path):
     assert proc.returncode == 130
     assert "results written so far are kept" in err.strip().splitlines()[-1]
     assert "Traceback" not in err
-    assert 1 <= len(read_points(results)) < 12
+    assert 1 <= len(read_points(results)) < 6

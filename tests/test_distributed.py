@@ -21,7 +21,7 @@ from mac_moesd.measure import collectives, distributed
 
 BIN = Path(sys.executable).parent
 HELPER = Path(__file__).with_name("sharded_logits.py")
-FAST = ["--context", "8", "--seconds-per-point", "0.01", "--quick"]
+FAST = ["--context", "8", "--seconds-per-point", "0.01", "--quick", "--decode-chain", "4"]
 
 
 def free_ports() -> int:

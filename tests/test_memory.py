@@ -89,7 +89,7 @@ def test_four_bit_sweep_json_is_one_document(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--bits", "4", "--batch", "1",
          "--tokens", "1", "--context", "16", "--quick", "--seconds-per-point", "0.01",
-         "--out", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
+         "--decode-chain", "8", "--out", str(tmp_path), "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)  # fails on anything printed beside the document
     assert doc["bits"] == 4 and "[INFO] Quantized" not in done.stderr  # dropped, not moved

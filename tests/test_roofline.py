@@ -101,7 +101,8 @@ def test_against_spec():
     assert roofline._against_spec(None, 300.0, 5.0) is None
 
 
-def test_cli_roofline_quick_json(tmp_path):
+def test_cli_roofline_quick_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(roofline, "QUICK", TINY)  # the command's wiring and contract, at the tests' sizes
     result = CliRunner().invoke(cli, ["roofline", "--quick", "--json", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)

@@ -18,7 +18,7 @@ from mac_moesd.results import ResultsStore, load_results
 
 MOE = [e for e in zoo.ZOO if zoo.expert_shape(e.config)]
 META = {"chip_slug": "test", "backend": "cpu", "versions": {"mlx": mx.__version__}, "blas": {"name": "x"}}
-QUICK = ["--context", "8", "--seconds-per-point", "0.01", "--quick"]
+QUICK = ["--context", "8", "--seconds-per-point", "0.01", "--quick", "--decode-chain", "8"]
 
 
 def invoke(*args):
@@ -175,16 +175,23 @@ def sweep_json(*args):
     return json.loads(result.stdout)
 
 
+def swept(model, path, routing="model", batches=(1, 8), tokens=(1, 8)) -> dict:
+    """The sweep document, in process with the suite's tiny budget (the CLI path of --routing is
+    the same function; its wiring is checked by the CLI tests below)."""
+    cfg = sweep.SweepConfig(model=str(model), batches=batches, tokens=tokens, context=8, budget=TINY_BUDGET,
+                            routing=routing)
+    return sweep.run_sweep(cfg, ResultsStore(path, META), None)
+
+
 def test_sweep_uniform_routing_activates_n_of_bt(deep_moe, tmp_path):
-    grid = ["--batch", "1,8", "--tokens", "1,8", *QUICK, "--out", tmp_path]
-    uniform = sweep_json(deep_moe, "--routing", "uniform", *grid)
+    path = tmp_path / "results.json"
+    uniform = swept(deep_moe, path, "uniform")
     assert uniform["routing"] == "uniform" and uniform["gather"] == "mlx-lm"
     for p in uniform["points"]:
         n = p["batch"] * p["tokens"]
         assert p["pairs"] == n * 4
         assert p["unique_experts"] == pytest.approx(theory.activated_experts(n, 64, 4), rel=0.05)
-    correlated = sweep_json(deep_moe, "--routing", "correlated:0.5", "--batch", "1,8", "--tokens", "2,8",
-                            *QUICK, "--out", tmp_path)
+    correlated = swept(deep_moe, path, "correlated:0.5", tokens=(2, 8))
     assert correlated["routing"] == "correlated:0.5"
     by_point = {(p["batch"], p["tokens"]): p["unique_experts"] for p in uniform["points"]}
     for p in correlated["points"]:
@@ -194,9 +201,9 @@ def test_sweep_uniform_routing_activates_n_of_bt(deep_moe, tmp_path):
         if b == 1 and t >= 4:
             assert p["unique_experts"] < 0.8 * by_point[(b, t)]
     # The model's own routing is counted too, and all three sweeps keep results of their own.
-    own = sweep_json(deep_moe, "--batch", "1", "--tokens", "1,2", *QUICK, "--out", tmp_path)
+    own = swept(deep_moe, path, batches=(1,), tokens=(1, 2))
     assert own["routing"] == "model" and all(p["unique_experts"] >= 4 for p in own["points"])
-    keys = list(load_results(tmp_path / "results.json")["sweeps"])
+    keys = list(load_results(path)["sweeps"])
     assert len(keys) == 3 and sum("routing=" in k for k in keys) == 2
 
 
