@@ -98,7 +98,7 @@ def test_spec_real_code_json_measured_beside_predicted(tiny_pair, tmp_path):
     out = ["--out", str(tmp_path)]
     runner = CliRunner()
     swept = runner.invoke(cli, ["sweep", target, "--draft", draft, "--batch", "1,2", "--tokens", "1,2,3,4,5",
-                                "--context", "16", "--seconds-per-point", "0.02", "--json", *out])
+                                "--context", "16", "--seconds-per-point", "0.02", "--decode-chain", "8", "--json", *out])
     assert swept.exit_code == 0, swept.stderr
     assert runner.invoke(cli, ["fit", str(tmp_path), "--json"]).exit_code == 0
     result = runner.invoke(cli, ["spec", target, "--draft", draft, "--mode", "real", "--prompts", "code",
