@@ -37,6 +37,7 @@ from scipy.optimize import least_squares
 from mac_moesd.machine import hardware
 from mac_moesd.analysis import cluster, expert_reads, pipelining, theory
 from mac_moesd.analysis.digest import Digest, full_depth_points
+from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import BadInput, MacMoesdError
 
 __all__ = ["FitInputs", "FitResult", "FittedModel", "VariantFit", "fit", "fit_document",
@@ -166,11 +167,14 @@ class FitResult:
     def heldout_mape(self) -> float | None:
         return self.best.heldout_mape
 
-    def model(self, name: str | None = None) -> FittedModel:
+    def model(self, name: str | None = None, timed_one_row: bool = True) -> FittedModel:
+        """A variant ready to predict; with ``timed_one_row``, its one-row forward is the sweep's
+        timing of it (``one_row``), else the fitted curve's."""
         v = self.variant(name or self.chosen)
         i = self.inputs
+        row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
-                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing)
+                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row)
 
 
 @dataclass(frozen=True)
@@ -188,19 +192,28 @@ class FittedModel:
     pipelining: pipelining.Pipelining = pipelining.Pipelining()
     comm: cluster.CommTerm | None = None  # a sharded forward's measured communication
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts the routing activates
+    one_row: OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
 
     def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True) -> np.ndarray:
         """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
         sharded forward's communication C(n) (``comm=False``: a free link); with ``pipelined``,
-        less the graph-building time a pipelined loop hides."""
+        less the graph-building time a pipelined loop hides. The one-row forward (n = 1) is the
+        sweep's own timing where it has one, carried from its context to L by the KV term."""
         batch = np.asarray(batch, dtype=float)
         n = batch * np.asarray(tokens, dtype=float)
         link = self.comm.time(n) if comm and self.comm is not None else 0.0
         active = self.routing.unique(batch, tokens, self.experts, self.top_k)
+        kv = theory.kv_time(batch, context, self.k_kv)
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
-                                        self.sort_threshold, active)
-                + theory.kv_time(batch, context, self.k_kv) + link)
-        return pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
+                                        self.sort_threshold, active) + kv + link)
+        curve = pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
+        timed = self.one_row.seconds(pipelined) if self.one_row is not None else None
+        if timed is None:
+            return curve
+        # The timing includes the sweep's own link; a free link takes the measured one off.
+        free_link = self.comm.time(n) if not comm and self.comm is not None else 0.0
+        here = timed + kv - theory.kv_time(batch, self.one_row.context, self.k_kv) - free_link
+        return np.where(n == 1, here, curve)
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
                 self_draft: bool = False, comm: bool = True) -> np.ndarray:
@@ -236,7 +249,8 @@ class FittedModel:
                    doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"],
                    pipelining.Pipelining.from_dict(doc.get("pipelining")),
                    cluster.CommTerm.from_dict(comm) if comm else None,
-                   expert_reads.Routing.from_dict(doc.get("routing")))
+                   expert_reads.Routing.from_dict(doc.get("routing")),
+                   OneRow.from_dict(doc.get("one_row")))
 
 
 # ---- reading a results file ----
@@ -543,7 +557,7 @@ def measure_pipelining(result: FitResult) -> pipelining.Pipelining:
     found = pipelining.Pipelining(target_s, draft_s, target_n, draft_n)
     if not target_n:
         return found
-    model = replace(result.model(), pipelining=found)
+    model = replace(result.model(timed_one_row=False), pipelining=found)
     errors = [float(model.target(b, t, i.context, pipelined=True)) / s - 1 for b, t, s in i.target_pipelined]
     return replace(found, target_mape=float(np.mean(np.abs(errors))))
 
@@ -607,8 +621,10 @@ def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches
     ks = sorted({k for k in (1, 2, K // 2, K, 2 * K, 4 * K) if 1 <= k <= E})
     out = []
     for k in ks:
-        # The counted unique experts were for the model's own K; another K uses the fitted form.
-        changed = replace(model, top_k=k, routing=model.routing if k == K else model.routing.form_only())
+        # The counted experts and the timed one-row forward were for the model's own K; another
+        # K takes the fitted routing form and the curve.
+        changed = replace(model, top_k=k, routing=model.routing if k == K else model.routing.form_only(),
+                          one_row=model.one_row if k == K else None)
         rows = predict(changed, context, batches, (gamma,), (alpha,), verify)
         top = max(rows, key=lambda p: p["speedup"])
         out.append({"top_k": k, "rho": k / E, "peak_batch": top["batch"], "peak_speedup": top["speedup"],
@@ -617,12 +633,13 @@ def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches
 
 
 def paper_comparison(result: FitResult, alphas=DEFAULT_ALPHAS, gammas=DEFAULT_GAMMAS) -> list[dict]:
-    """Batch-1 speedups: the chosen variant (gamma+1 verify tokens, as the loops run), MoESD's
-    ``unique`` with the same verify, and ``unique`` with the paper's gamma verify tokens."""
+    """Batch-1 speedups: the prediction (the chosen variant with the timed one-row forward,
+    gamma+1 verify tokens, as the loops run), MoESD's ``unique`` curve with the same verify, and
+    ``unique`` with the paper's gamma verify tokens."""
     if not result.inputs.drafted:
         return []
     L = result.inputs.context
-    chosen, unique = result.model(), result.model("unique")
+    chosen, unique = result.model(), result.model("unique", timed_one_row=False)
     return [{"gamma": g, "alpha": a,
              "chosen": float(chosen.speedup(1, g, a, L, "gamma+1")[()]),
              "unique": float(unique.speedup(1, g, a, L, "gamma+1")[()]),
@@ -681,6 +698,7 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "missing": list(i.missing),
         "pipelining": result.pipelining.to_dict(),
         "routing": i.routing.to_dict(),
+        "one_row": chosen.one_row.to_dict() if chosen.one_row else None,
         "params": _params_doc(best, i.drafted),
         "k_kv": best.k_kv,
         "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},

@@ -304,6 +304,19 @@ def pipelining_lines(pipe: dict | None) -> list[str]:
             f"target {seconds(pipe['target_s'])}{draft}{fit}; speedups use pipelined plain and draft steps"]
 
 
+def one_row_lines(doc: dict) -> list[str]:
+    """One sentence on the timed one-row forward the predictions use, beside the curve's value."""
+    row = doc.get("one_row")
+    curve = next((r["predicted_s"] for r in doc.get("train_points", []) if (r["batch"], r["tokens"]) == (1, 1)),
+                 None)
+    if not row or curve is None:
+        return []
+    pipelined = f", {seconds(row['pipelined_s'])} pipelined" if row.get("pipelined_s") is not None else ""
+    return [f"one-row forward T_T(1,1) (MLX's matrix-vector kernels): timed {seconds(row['sync_s'])}{pipelined} "
+            f"at context {row['context']}, the fitted curve {seconds(curve)} ({curve / row['sync_s'] - 1:+.1%}); "
+            "predictions take the timed one"]
+
+
 def routing_sentence(doc: dict) -> str:
     """How the fit counted expert reads: the sweep's unique experts and the fitted correlations."""
     routing = doc.get("routing") or {}
@@ -338,6 +351,7 @@ def render_fit(doc: dict) -> str:
                 "chosen" if v["name"] == doc["chosen"] else ""] for v in doc["variants"]]),
         doc["regime"],
         *pipelining_lines(doc.get("pipelining")),
+        *one_row_lines(doc),
         "",
         f"parameters of `{doc['chosen']}`:",
         table(["parameter", "value", "lower", "upper"],

@@ -18,7 +18,7 @@ from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
-from mac_moesd.reporting.formatting import pipelining_lines, routing_sentence, seconds
+from mac_moesd.reporting.formatting import one_row_lines, pipelining_lines, routing_sentence, seconds
 
 __all__ = ["build_blocks", "write_report"]
 
@@ -318,7 +318,8 @@ def _fit(d: Digest, figures) -> list:
         blocks.append(("p", "Regime: " + f["regime"] + " `unique` reads each activated expert once "
                        "(MoESD's Algorithm 1, k2*N(n)); `pairs` once per token-expert pair (k2*n*K); "
                        "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
-        blocks += [("p", line[0].upper() + line[1:] + ".") for line in pipelining_lines(f.get("pipelining"))]
+        blocks += [("p", line[0].upper() + line[1:] + ".")
+                   for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f)]
         rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"]]
         blocks.append(("table", ["parameter", f"value (`{f['chosen']}`)"], rows))
         for line in f["missing"]:

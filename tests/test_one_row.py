@@ -1,0 +1,95 @@
+"""The one-row forward T_T(1,1) is the sweep's timing of it; every other shape the fitted curve."""
+
+import numpy as np
+import pytest
+
+from mac_moesd.analysis import fit, theory
+from mac_moesd.analysis.one_row import OneRow
+from mac_moesd.reporting import formatting
+from test_fit import L, synthetic_results
+from test_pipelining import with_pipelined
+
+FAST = 0.8  # a one-row forward below any smooth curve through the others, as MLX's M = 1 path
+
+
+def results() -> dict:
+    data = with_pipelined(synthetic_results(noise=0.0))
+    for entry in data["sweeps"].values():
+        entry["points"]["1x1"]["median_s"] *= FAST
+        entry["pipelined_points"]["1x1"]["median_s"] *= FAST
+    return data
+
+
+@pytest.fixture(scope="module")
+def result():
+    return fit.fit(fit.inputs_from_results(results()))
+
+
+def test_the_one_row_forward_is_the_timed_one_carried_to_another_context(result):
+    m, curve = result.model(), result.model(timed_one_row=False)
+    i = result.inputs
+    sync = {(b, t): s for b, t, s in i.target}[(1, 1)]
+    pipe = {(b, t): s for b, t, s in i.target_pipelined}[(1, 1)]
+    later = L + 100
+    kv = float(theory.kv_time(1, later, m.k_kv) - theory.kv_time(1, L, m.k_kv))
+    assert m.k_kv > 0 and kv > 0
+    assert float(m.target(1, 1, later)) == pytest.approx(sync + kv, rel=1e-12)
+    assert float(m.target(1, 1, later, pipelined=True)) == pytest.approx(pipe + kv, rel=1e-12)
+    assert float(curve.target(1, 1, later)) > 1.05 * float(m.target(1, 1, later))  # the curve misses it
+    # Every other shape is the curve's, element by element in arrays.
+    batches, tokens = np.array([1, 1, 2, 4]), np.array([1, 2, 1, 1])
+    got, fitted = m.target(batches, tokens, later), curve.target(batches, tokens, later)
+    assert got[0] == pytest.approx(sync + kv) and got[1:].tolist() == fitted[1:].tolist()
+    # A round at batch 1: plain decode and the self-draft's steps are the one-row forward.
+    plain, verify, draft, _ = m.step_times(1, 3, later, self_draft=True)
+    assert float(plain) == pytest.approx(pipe + kv, rel=1e-12)
+    assert float(verify) == float(curve.step_times(1, 3, later)[1])
+    assert float(draft) < float(curve.step_times(1, 3, later, self_draft=True)[2])
+    # ... so SD gains less at batch 1 than the curve says: its plain decode is faster.
+    assert float(m.speedup(1, 3, 0.7, later)) < float(curve.speedup(1, 3, 0.7, later))
+    assert float(m.speedup(2, 3, 0.7, later)) == float(curve.speedup(2, 3, 0.7, later))
+
+
+def test_the_stored_fit_predicts_with_the_timed_one_row_forward(result):
+    doc = fit.fit_document(result)
+    assert doc["one_row"]["context"] == L and doc["one_row"]["pipelined_s"] is not None
+    m = result.model()
+    predictor = fit.speedup_predictor(doc)
+    for batch, gamma in ((1, 3), (1, 4), (2, 4)):
+        assert predictor(batch, gamma, 0.7, False, L + 50) == pytest.approx(
+            float(m.speedup(batch, gamma, 0.7, L + 50)), rel=1e-12)
+    at1 = next(p["speedup"] for p in doc["predictions"] if (p["batch"], p["gamma"], p["alpha"]) == (1, 4, 0.7))
+    assert at1 == pytest.approx(float(m.speedup(1, 4, 0.7, L)), rel=1e-12)
+    # The fit's output says which figure the predictions took, and how far the curve is from it.
+    (line,) = formatting.one_row_lines(doc)
+    curve = float(result.model(timed_one_row=False).target(1, 1, L))
+    assert f"{curve / doc['one_row']['sync_s'] - 1:+.1%}" in line and "predictions take the timed one" in line
+    assert line in formatting.render_fit(doc)
+
+
+def test_what_ifs_and_moesds_curve_do_not_take_the_timed_forward(result):
+    m, curve = result.model(), result.model(timed_one_row=False)
+    # The sparsity what-if changes K: the timed forward was the model's own K's.
+    timed = {r["top_k"]: r for r in fit.sparsity_sweep(m, L)}
+    fitted = {r["top_k"]: r for r in fit.sparsity_sweep(curve, L)}
+    assert timed.keys() == fitted.keys() and len(timed) > 1
+    for k in timed:
+        if k == m.top_k:
+            assert timed[k]["speedup_batch1"] < fitted[k]["speedup_batch1"]
+        else:
+            assert timed[k] == fitted[k]
+    # Against the paper: the chosen column is the prediction, MoESD's its own curve.
+    row = next(r for r in fit.paper_comparison(result) if (r["gamma"], r["alpha"]) == (4, 0.7))
+    assert row["chosen"] == pytest.approx(float(m.speedup(1, 4, 0.7, L)))
+    unique = result.model("unique", timed_one_row=False)
+    assert row["unique"] == pytest.approx(float(unique.speedup(1, 4, 0.7, L)))
+    # The pipelined curve's check against the pipelined points is the curve's own.
+    assert result.pipelining.target_mape > 0
+
+
+def test_one_row_round_trip_and_absence():
+    row = OneRow.from_points(64, [(1, 1, 0.01), (2, 1, 0.02)], [(1, 1, 0.009)])
+    assert row == OneRow(64, 0.01, 0.009) and OneRow.from_dict(row.to_dict()) == row
+    assert OneRow.from_points(64, [(2, 1, 0.02)], []) is None  # a grid without (1, 1)
+    assert OneRow.from_points(64, [(1, 1, 0.01)], []).seconds(pipelined=True) is None
+    assert OneRow.from_dict(None) is None
