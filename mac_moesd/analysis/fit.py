@@ -1,7 +1,6 @@
 """Fit MoESD's Algorithm-1 time model to measured T_T(B,t), T_D(B,1), T_rej(B); predict S(B,gamma).
 
-The 10 parameters, plus MagicDec's KV term k_kv*B*L (identifiable at one context too, since the
-grid varies B at a fixed token count n = B*t), are fitted jointly with scipy's
+The 10 parameters, plus MagicDec's KV term k_kv*B*L, are fitted jointly with scipy's
 trust-region-reflective least squares on relative residuals (every point weighs alike, as the
 held-out MAPE does), once per expert-load variant (``theory.EXPERT_LOADS``); held-out error picks
 the variant the predictions use, refitted on every point. Bounds follow MoESD: bias in
@@ -18,7 +17,13 @@ The expert-read term follows the unique experts the sweep counted at each point,
 anchored correlation forms fitted to those counts between points (``expert_reads``).
 
 The fit is to synchronous forwards; speedups are predicted with the timing each loop experiences
-(``pipelining``): plain decode and drafter steps pipelined, as mlx-lm runs them.
+(``pipelining``): plain decode and drafter steps pipelined, as mlx-lm runs them. The one-row
+forward T_T(1,1) is the sweep's own timing of it (``one_row``), not the curve's.
+
+The KV term is told apart from other per-sequence costs only by the grid varying B at a fixed
+n = B*t at one context: any cost per sequence lands in it, so carried to a longer context it can
+overstate the growth (on the CPU backend the ``mlx`` variant fitted 5.5x the cache's bytes over the
+measured bandwidth). Timing the one-token points at a second context would separate them.
 
 A sharded sweep (``sweep --parallel``) adds its measured communication term C(n)
 (``analysis.cluster``) to T_T, fixed, not fitted; the document then has a ``cluster`` section.
