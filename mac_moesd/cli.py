@@ -678,7 +678,7 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, t
         ranks, parallel, link = cluster
         return plan_cluster.dry_run_cluster(chosen, backend, name, total, usable, rates, ranks, parallel,
                                             link or plan_cluster.LINK_GBPS)
-    document = plan.dry_run(chosen, backend, name, total, usable, rates)
+    document = plan.dry_run(chosen, backend, name, total, usable, rates, pair=None if models else found)
     if found is not None:
         document["pair"] = {"target": found.target, "draft": found.draft, "found": found.found}
     return document

@@ -22,6 +22,8 @@ from mac_moesd.inputs import models
 from mac_moesd.measure import routing, spec, sweep, timing
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.inputs.prompts import load_prompts
+from mac_moesd.pair import PairPlan
 from mac_moesd.run import Plan
 
 __all__ = ["Rates", "chip_rates", "dry_run", "parse_chip"]
@@ -29,6 +31,7 @@ __all__ = ["Rates", "chip_rates", "dry_run", "parse_chip"]
 # Apple's newest per-core FP32 figure (M2: 3.6 TFLOPS over 10 GPU cores, hardware.APPLE_CHIPS)
 # stands in for chips without a published one (M3 and later), whose GPU cores are no slower.
 _M2_PER_CORE = 3.6e12 / 10
+PAIR_ALPHA = 0.7  # a real pair's acceptance, unknown before it runs, for its SD stage's ETA
 
 
 @dataclass(frozen=True)
@@ -164,16 +167,19 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
             "context": plan.context, "slices": parts, "peak_bytes": peak, "eta_s": seconds}
 
 
-def _routing_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -> dict:
+def _routing_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates, label: str,
+                   prompts: str | None = None, length: int | None = None) -> dict:
+    """Routing on random ids, or on a prompt set (one sequence of ``length`` tokens per prompt)."""
     source = models.resolve(name)
-    cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
-    sequences = 2 * max(cfg.batches)
+    cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits,
+                                **({"length": length} if length else {}))
+    sequences = len(load_prompts(prompts).prompts) if prompts else 2 * max(cfg.batches)
     built = models.build(source, dtype, plan.bits)
     while memory.routing_estimate(built, sequences, cfg.length)["peak_bytes"] > usable and built.layers > 1:
         built = models.build(source, dtype, plan.bits, built.layers // 2)
     need = memory.routing_estimate(built, sequences, cfg.length)
     seconds = materialise_seconds(built, rates) + forward_seconds(built, rates, sequences, cfg.length, cfg.length)
-    return {"stage": f"routing {name}", "models": [name], "layers": [built.layers],
+    return {"stage": label, "models": [name], "layers": [built.layers],
             "layers_full": built.layers_full, "grid": {"batch": list(cfg.batches), "tokens": list(cfg.tokens)},
             "context": cfg.length, "peak_bytes": need["peak_bytes"], "fits": need["peak_bytes"] <= usable,
             "eta_s": seconds}
@@ -187,18 +193,55 @@ def _spec_stage(plan: Plan, dtype: str, usable: int, rates: Rates) -> dict:
     t, d, need = spec.plan_models(cfg, usable, dtype)
     seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
     for batch in cfg.batches:
-        seconds += prefill_seconds(t, rates, batch, cfg.context) + prefill_seconds(d, rates, batch, cfg.context)
-        plain = cfg.new_tokens * forward_seconds(t, rates, batch, 1, cfg.context)
+        seconds += _prefills(t, d, rates, batch, cfg.context)
         for gamma in cfg.gammas:
             for alpha in cfg.alphas:
-                per_round = float(theory.expected_tokens_per_round(alpha, gamma))
-                rounds = math.ceil(cfg.new_tokens / per_round)
-                sd = rounds * (gamma * forward_seconds(d, rates, batch, 1, cfg.context)
-                               + forward_seconds(t, rates, batch, gamma + 1, cfg.context))
-                seconds += (cfg.repeats + 1) * (plain + sd)  # one warm-up pair, then the pairs
+                seconds += (cfg.repeats + 1) * sum(_decodes(t, d, rates, batch, gamma, alpha, cfg))  # + a warm-up
     return {"stage": f"spec {target}", "models": [target, plan.draft],
             "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas), "alpha": list(cfg.alphas)},
+            "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
+
+
+def _prefills(t, d, rates: Rates, batch: int, context: int) -> float:
+    return prefill_seconds(t, rates, batch, context) + prefill_seconds(d, rates, batch, context)
+
+
+def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec.SpecConfig) -> tuple[float, float]:
+    """Plain decode and SD of ``cfg.new_tokens`` tokens per sequence: (plain, SD) seconds."""
+    plain = cfg.new_tokens * forward_seconds(t, rates, batch, 1, cfg.context)
+    rounds = math.ceil(cfg.new_tokens / float(theory.expected_tokens_per_round(alpha, gamma)))
+    sd = rounds * (gamma * forward_seconds(d, rates, batch, 1, cfg.context)
+                   + forward_seconds(t, rates, batch, gamma + 1, cfg.context))
+    return plain, sd
+
+
+def _pair_spec_stage(pair: PairPlan, prompt_set: str, dtype: str, usable: int, rates: Rates) -> dict:
+    """SD of a real pair on one prompt set: the untimed acceptance pass (SD after each of its
+    first ``max_prompts`` prompts, plain too at temperature 0 for the greedy check), then the
+    timed runs, at every temperature. Acceptance is unknown before the run: PAIR_ALPHA stands in."""
+    plan = pair.base
+    cfg = spec.SpecConfig(target=pair.target_arg, draft=pair.draft_arg, batches=plan.spec_batches,
+                          gammas=plan.spec_gammas, mode="real", context=plan.context,
+                          new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, prompts=prompt_set,
+                          temperatures=pair.temperatures, max_prompts=pair.max_prompts)
+    t, d, need = spec.plan_models(cfg, usable, dtype)
+    passed = len(load_prompts(prompt_set).prompts[: pair.max_prompts])
+    seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
+    for temperature in cfg.temperatures:
+        for gamma in cfg.gammas:
+            plain, sd = _decodes(t, d, rates, 1, gamma, PAIR_ALPHA, cfg)
+            seconds += passed * (_prefills(t, d, rates, 1, cfg.context) + sd + (plain if temperature == 0 else 0.0))
+    for batch in cfg.batches:
+        seconds += _prefills(t, d, rates, batch, cfg.context)
+        for _ in cfg.temperatures:
+            for gamma in cfg.gammas:
+                seconds += (cfg.repeats + 1) * sum(_decodes(t, d, rates, batch, gamma, PAIR_ALPHA, cfg))
+    return {"stage": f"spec {pair.target} on {prompt_set}", "models": [pair.target_arg, pair.draft_arg],
+            "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
+            "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas),
+                     "temperature": list(cfg.temperatures)},
+            "acceptance_prompts": passed, "alpha_assumed": PAIR_ALPHA,
             "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
 
 
@@ -226,8 +269,9 @@ def _guarded(stage: str, names: list[str], estimate, *args) -> dict:
 
 
 def dry_run(plan: Plan, backend: str, chip: str, memory_bytes: int | None, usable: memory.Usable,
-            rates: Rates | None) -> dict:
-    """Every stage of ``plan`` with its peak estimate and, given rates, its duration."""
+            rates: Rates | None, pair: PairPlan | None = None) -> dict:
+    """Every stage of ``plan`` with its peak estimate and, given rates, its duration; with
+    ``pair``, the stages of that pair's run (routing and SD on each of its prompt sets)."""
     dtype = "float16" if backend != "cpu" else "float32"
     budget = usable.usable_bytes
     stages = []
@@ -237,10 +281,21 @@ def dry_run(plan: Plan, backend: str, chip: str, memory_bytes: int | None, usabl
     stages.append(_roofline_stage(plan, rates))
     for name in plan.models:
         stages.append(_guarded(f"sweep {name}", [name], _sweep_stage, plan, name, dtype, budget, rates))
-    for name in plan.moe:
-        stages.append(_guarded(f"routing {name}", [name], _routing_stage, plan, name, dtype, budget, rates))
-    stages.append(_guarded(f"spec {plan.moe[0]}", [plan.moe[0], plan.draft], _spec_stage, plan, dtype,
-                           budget, rates))
+    if pair is not None:
+        stages[-1]["stage"] = f"sweep {pair.target}"  # as the run labels its stages (pair.stage_labels)
+        for p in pair.prompt_sets:
+            label = f"routing {pair.target} on {p}"
+            stages.append(_guarded(label, [pair.target_arg], _routing_stage, plan, pair.target_arg, dtype,
+                                   budget, rates, label, p, pair.routing_length))
+        for p in pair.prompt_sets:
+            stages.append(_guarded(f"spec {pair.target} on {p}", [pair.target_arg, pair.draft_arg],
+                                   _pair_spec_stage, pair, p, dtype, budget, rates))
+    else:
+        for name in plan.moe:
+            stages.append(_guarded(f"routing {name}", [name], _routing_stage, plan, name, dtype, budget, rates,
+                                   f"routing {name}"))
+        stages.append(_guarded(f"spec {plan.moe[0]}", [plan.moe[0], plan.draft], _spec_stage, plan, dtype,
+                               budget, rates))
     for s in stages:
         s["fits"] = s["peak_bytes"] <= budget
     return {

@@ -3,12 +3,13 @@ the Hugging Face cache for a known pair."""
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
 from pairs_helpers import qwen2_pair
 
-from mac_moesd import pair
+from mac_moesd import pair, plan
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models, pairs, zoo
@@ -104,11 +105,27 @@ def test_dry_run_of_a_pair(own_pair):
                                       str(draft), "--chip", "Apple M1", "--memory", "8", "--json"])
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    assert [s["stage"] for s in doc["stages"]] == ["roofline", f"sweep {target}", f"routing {target}",
-                                                   f"spec {target}"]
+    # The pair's own stages, labelled as the run labels them: routing and SD on each prompt set.
+    assert [s["stage"] for s in doc["stages"]] == [
+        "roofline", "sweep my-moe", "routing my-moe on code", "routing my-moe on chat",
+        "spec my-moe on code", "spec my-moe on chat"]
     assert doc["bits"] is None and doc["stages"][1]["models"] == [str(target), str(draft)]
     assert doc["pair"] == {"target": "my-moe", "draft": "my-draft", "found": "given on the command line"}
     assert zoo.expert_shape(models.resolve(str(target)).config) == (8, 2)
+    spec_code = doc["stages"][4]
+    assert spec_code["acceptance_prompts"] == pair.QUICK_PROMPTS and spec_code["alpha_assumed"] == plan.PAIR_ALPHA
+    assert spec_code["grid"]["temperature"] == list(pair.TEMPERATURES) and spec_code["eta_s"] > 0
+    # The untimed acceptance pass is in the ETA, in proportion to the prompts it decodes.
+    base = pair.pair_plan("metal", True, str(target), str(draft))
+    rates = plan.chip_rates(plan.parse_chip("Apple M1"))
+
+    def eta(prompts):
+        return plan._pair_spec_stage(replace(base, max_prompts=prompts), "code", "float16", 2**33, rates)["eta_s"]
+
+    assert eta(9) - eta(1) == pytest.approx(2 * (eta(5) - eta(1))) and eta(5) > eta(1)
+    text = CliRunner().invoke(cli, ["run", "--quick", "--dry-run", "--target", str(target), "--draft", str(draft),
+                                    "--chip", "Apple M1", "--memory", "8"]).output
+    assert f"acceptance pass over {pair.QUICK_PROMPTS} prompts per gamma and temperature" in text
 
 
 def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_path, own_pair):

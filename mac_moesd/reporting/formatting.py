@@ -482,6 +482,9 @@ def render_plan(doc: dict) -> str:
             continue
         lines.append(f"{s['stage']:<28} {layers:>9} {gib(s['peak_bytes']):>10} "
                      f"{'yes' if s['fits'] else 'NO':>5} {s['eta_s']:>7.0f}s")
+        if "alpha_assumed" in s:
+            lines.append(f"  acceptance pass over {s['acceptance_prompts']} prompts per gamma and temperature; "
+                         f"ETA at alpha {s['alpha_assumed']:g} (unknown before the run)")
         for r in s.get("ranks", []):
             lines.append(f"  rank {r['rank']}: {r['layers']} layers, weights {gib(r['weights_bytes'])}, "
                          f"peak {gib(r['peak_bytes'])} ({r['phase']})")
