@@ -217,25 +217,30 @@ def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec
 
 
 def _pair_spec_stage(pair: PairPlan, prompt_set: str, dtype: str, usable: int, rates: Rates) -> dict:
-    """SD of a real pair on one prompt set: the untimed acceptance pass (SD after each of its
-    first ``max_prompts`` prompts, plain too at temperature 0 for the greedy check), then the
-    timed runs, at every temperature. Acceptance is unknown before the run: PAIR_ALPHA stands in."""
+    """SD of a real pair on one prompt set, as ``spec.run_spec`` runs it: the untimed acceptance
+    pass (SD after each of its first ``max_prompts`` prompts, plain too at temperature 0 for the
+    greedy check), then the timed runs (a prefill of the next prompts for each pair), at every
+    temperature, over the prompts' mean length in tokens. Acceptance is unknown before the run:
+    PAIR_ALPHA stands in. A pair that fits only as slices is refused, as the run refuses it."""
     plan = pair.base
     cfg = spec.SpecConfig(target=pair.target_arg, draft=pair.draft_arg, batches=plan.spec_batches,
                           gammas=plan.spec_gammas, mode="real", context=plan.context,
                           new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, prompts=prompt_set,
                           temperatures=pair.temperatures, max_prompts=pair.max_prompts)
-    t, d, need = spec.plan_models(cfg, usable, dtype)
-    passed = len(load_prompts(prompt_set).prompts[: pair.max_prompts])
+    ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg), models.resolve(pair.draft_arg)).ids
+    t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
+    if t.layers < t.layers_full:
+        raise MacMoesdError(f"{pair.target} and its drafter fit only as slices of their layers, which a "
+                            "real pair's SD run refuses")
+    cfg = replace(cfg, context=round(sum(map(len, ids)) / len(ids)))
+    passed = len(ids[: pair.max_prompts])
     seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
     for temperature in cfg.temperatures:
         for gamma in cfg.gammas:
             plain, sd = _decodes(t, d, rates, 1, gamma, PAIR_ALPHA, cfg)
             seconds += passed * (_prefills(t, d, rates, 1, cfg.context) + sd + (plain if temperature == 0 else 0.0))
-    for batch in cfg.batches:
-        seconds += _prefills(t, d, rates, batch, cfg.context)
-        for _ in cfg.temperatures:
-            for gamma in cfg.gammas:
+            for batch in cfg.batches:
+                seconds += cfg.repeats * _prefills(t, d, rates, batch, cfg.context)
                 seconds += (cfg.repeats + 1) * sum(_decodes(t, d, rates, batch, gamma, PAIR_ALPHA, cfg))
     return {"stage": f"spec {pair.target} on {prompt_set}", "models": [pair.target_arg, pair.draft_arg],
             "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,

@@ -212,13 +212,13 @@ class FittedModel:
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
                                         self.sort_threshold, active) + kv + link)
         curve = pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
-        timed = self.one_row.seconds(pipelined) if self.one_row is not None else None
-        if timed is None:
+        if self.one_row is None:
             return curve
         # The timing includes the sweep's own link; a free link takes the measured one off.
         free_link = self.comm.time(n) if not comm and self.comm is not None else 0.0
-        here = timed + kv - theory.kv_time(batch, self.one_row.context, self.k_kv) - free_link
-        return np.where(n == 1, here, curve)
+        here = (self.one_row.seconds(pipelined, self.pipelining.target_s) + kv
+                - theory.kv_time(batch, self.one_row.context, self.k_kv) - free_link)
+        return np.where((n == 1) & (here > 0), here, curve)
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
                 self_draft: bool = False, comm: bool = True) -> np.ndarray:
