@@ -96,3 +96,15 @@ def test_a_runs_prediction_takes_the_acceptance_it_realised():
     assert fit.run_alpha({"alpha": 0.7, "measured_alpha": 0.0}) == 0.0  # none accepted is a measurement
     assert fit.run_alpha({"alpha": 0.7, "measured_alpha": None}) == 0.7
     assert fit.run_alpha({"alpha": None, "measured_alpha": None}) is None
+
+
+def test_a_timed_runs_speedup_carries_the_range_over_its_pairs():
+    from mac_moesd.measure.spec_loop import Decoded
+    from mac_moesd.reporting.formatting import measured_speedup
+
+    out = [Decoded(10)] * 3
+    row = spec.summarise_pairs(out, [1.0, 1.0, 1.0], out, [0.5, 1.0, 0.8])  # pair speedups 2, 1, 1.25
+    assert row["measured_speedup"] == pytest.approx(1.25)
+    assert row["speedup_range"] == pytest.approx([1.0, 2.0])
+    assert measured_speedup({**row, "repeats": 3}) == "1.25 (1.00-2.00)"
+    assert measured_speedup({"measured_speedup": 1.25, "repeats": 3}) == "1.25"  # results made before ranges

@@ -135,9 +135,10 @@ def paired(plain, speculative, repeats: int, prepare) -> tuple[list[float], list
 
 
 def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decoded], spec_times) -> dict:
-    """Median tokens/s both ways, their CVs, and the median of the per-pair speedups."""
+    """Median tokens/s both ways, their CVs, and the median and range of the per-pair speedups."""
     plain_rates = [d.tokens / t for d, t in zip(plain_out, plain_times)]
     spec_rates = [d.tokens / t for d, t in zip(spec_out, spec_times)]
+    speedups = [s / p for s, p in zip(spec_rates, plain_rates)]
 
     def cv(rates):
         return statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
@@ -147,7 +148,8 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "tokens_per_s_sd": statistics.median(spec_rates),
         "cv_plain": cv(plain_rates),
         "cv_sd": cv(spec_rates),
-        "measured_speedup": statistics.median(s / p for s, p in zip(spec_rates, plain_rates)),
+        "measured_speedup": statistics.median(speedups),
+        "speedup_range": [min(speedups), max(speedups)],
     }
 
 

@@ -304,6 +304,13 @@ def pipelining_lines(pipe: dict | None) -> list[str]:
             f"target {seconds(pipe['target_s'])}{draft}{fit}; speedups use pipelined plain and draft steps"]
 
 
+def measured_speedup(run: dict) -> str:
+    """A timed run's speedup, the median over its pairs, with their range where recorded."""
+    spread = run.get("speedup_range")
+    text = f"{run['measured_speedup']:.2f}"
+    return text if not spread or run.get("repeats", 1) < 2 else f"{text} ({spread[0]:.2f}-{spread[1]:.2f})"
+
+
 def one_row_lines(doc: dict) -> list[str]:
     """One sentence on the timed one-row forward the predictions use, beside the curve's value."""
     row = doc.get("one_row")
@@ -399,7 +406,7 @@ def render_spec(doc: dict) -> str:
                      str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
                      _num(r.get("mean_accepted"), ".2f"), r["mode"],
                      f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
-                     f"{r['measured_speedup']:.2f}", pred, err])
+                     measured_speedup(r), pred, err])
     prompts = doc.get("prompts") or {}
     where = (f"prompts '{prompts['name']}' ({prompts['count']}, {prompts['encoding']}, "
              f"{prompts['tokens'][0]}-{prompts['tokens'][1]} tokens)" if prompts.get("count")
@@ -408,7 +415,7 @@ def render_spec(doc: dict) -> str:
             f"{doc['new_tokens']} tokens per sequence, median of {doc['runs'][0]['repeats']} runs; "
             "alpha solved from the mean accepted draft tokens per round unless imposed (emulated)")
     lines = [head, table(["B", *(["temp"] if many_temperatures else []), "gamma", "verify tokens",
-                          "alpha", "accepted/round", "mode", "plain tok/s", "SD tok/s", "measured S",
+                          "alpha", "accepted/round", "mode", "plain tok/s", "SD tok/s", "measured S (range)",
                           "predicted S", "pred/meas"], rows)]
     checks = [r["greedy_check"] for r in doc["runs"] if "greedy_check" in r]
     checks += [a["greedy_check"] for a in doc.get("acceptance", []) if "greedy_check" in a]
