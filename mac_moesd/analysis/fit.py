@@ -758,6 +758,15 @@ def run_alpha(run: dict) -> float | None:
     return realised if realised is not None else run.get("alpha")
 
 
+def run_prediction(predictor, run: dict, doc: dict) -> float | None:
+    """A timed SD run's speedup as ``predictor`` (``speedup_predictor``) gives it at the run's
+    realised alpha and context, or as stored with the run when there is no predictor or alpha."""
+    alpha = run_alpha(run)
+    if predictor is None or alpha is None:
+        return run["predicted_speedup"]
+    return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
+
+
 def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):
     """A function (batch, gamma, alpha, self_draft, context) -> predicted S from a stored fit
     document's chosen variant, or None when the fit had no drafter to predict speedups with.

@@ -240,9 +240,7 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
     rows = []
     for prompt_set, doc in docs.items():
         for r in doc["runs"]:
-            alpha = fit_module.run_alpha(r)
-            pred = (predictor(r["batch"], r["gamma"], alpha, False, fit_module.run_context(r, doc))
-                    if predictor and alpha is not None else r["predicted_speedup"])
+            pred = fit_module.run_prediction(predictor, r, doc)
             rules = r.get("rules")
             rows.append([prompt_set, f"{r.get('temperature', 0):g}", str(r["batch"]), str(r["gamma"]),
                          r["engine"], "-" if r["alpha"] is None else f"{r['alpha']:.2f}",

@@ -232,7 +232,7 @@ def acceptance(d: Digest, folder: Path) -> Path | None:
 
 def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
     """Each timed SD run of a pair: measured speedup against the fit's prediction."""
-    from mac_moesd.analysis.fit import run_alpha, run_context, speedup_predictor
+    from mac_moesd.analysis.fit import run_alpha, run_prediction, speedup_predictor
 
     points = []
     for p in d.pairs:
@@ -243,8 +243,7 @@ def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
         for prompt_set, doc in d.pair_spec(p).items():
             for r in doc["runs"]:
                 if run_alpha(r) is not None:
-                    pred = predictor(r["batch"], r["gamma"], run_alpha(r), False, run_context(r, doc))
-                    points.append((prompt_set, r["batch"], r["measured_speedup"], pred))
+                    points.append((prompt_set, r["batch"], r["measured_speedup"], run_prediction(predictor, r, doc)))
     if not points:
         return None
     with plt.rc_context(STYLE):

@@ -129,7 +129,7 @@ def _measured_check(d: Digest, fit: dict) -> str:
     """A sentence when a timed batch-1 SD run of this model contradicts the predicted verdict
     (one pays off, the other not) or misses it by more than DISAGREE; empty otherwise."""
     predictor = fit_module.speedup_predictor(fit)
-    runs = [(r, _predicted(predictor, r, doc)) for doc in d.spec if doc.get("target") == fit["model"]
+    runs = [(r, fit_module.run_prediction(predictor, r, doc)) for doc in d.spec if doc.get("target") == fit["model"]
             for r in doc.get("runs", []) if r["batch"] == 1 and r.get("measured_speedup")]
     off = [(r, pred) for r, pred in runs if pred and ((r["measured_speedup"] > 1) != (pred > 1)
                                                       or abs(pred / r["measured_speedup"] - 1) > DISAGREE)]
@@ -140,16 +140,6 @@ def _measured_check(d: Digest, fit: dict) -> str:
     return (f" **The timed SD runs at batch 1 disagree with this prediction** ({shown}; see Measured SD): the "
             "fitted forwards do not add up to the measured round here, so trust the measurement at these "
             "points and repeat the run on an idle machine before relying on the prediction.")
-
-
-def _predicted(predictor, run: dict, doc: dict) -> float | None:
-    """A timed SD run's speedup as the current fit predicts it (the run's own alpha and context),
-    or as stored with the run when there is no fit to predict with."""
-    alpha = fit_module.run_alpha(run)
-    if predictor is None or alpha is None:
-        return run["predicted_speedup"]
-    return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft",
-                     fit_module.run_context(run, doc))
 
 
 def _window_experts(fit: dict, window: int) -> str:
@@ -397,7 +387,7 @@ def _spec(d: Digest) -> list:
         predictor = fit_module.speedup_predictor(fitted) if fitted else None
         rows = []
         for r in s["runs"]:
-            pred = _predicted(predictor, r, s)
+            pred = fit_module.run_prediction(predictor, r, s)
             err = "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}"
             rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),
                          "-" if r["alpha"] is None else f"{r['alpha']:.2f}", r["mode"],
