@@ -42,14 +42,18 @@ REJECT_GAMMA = 4  # as the sweep times T_rej(B) by default
 CHAINS = timing.Budget()  # pipelined chains as long as a sweep at the default budget runs them
 
 
-def grid(built, context: int, tokens, control) -> tuple[dict, dict]:
-    """Synchronous and pipelined points of one model: {(B, t): Point} each, on one prefill."""
+def grid(built, context: int, tokens, control, second_context: int | None = None) -> tuple[dict, dict, dict]:
+    """Synchronous and pipelined points of one model: {(B, t): Point} each, on one prefill; with
+    ``second_context``, the one-token points there too (on trimmed copies, as the sweep times them)."""
     vocab = built.config["vocab_size"]
-    caches = sweep.batch_caches(sweep.RolledBackCache(built.model, max(BATCHES), context, vocab), BATCHES)
+    parent = sweep.RolledBackCache(built.model, max(BATCHES), context, vocab)
+    shorts = {b: parent.shortened(b, second_context) for b in BATCHES} if second_context else {}
+    caches = sweep.batch_caches(parent, BATCHES)
     sync = {(b, t): sweep.forward_point(built.model, caches[b], b, t, vocab, control) for b in BATCHES for t in tokens}
     pipe = {(b, t): sweep.pipelined_point(built.model, caches[b], b, t, vocab, control, sweep.pipelined_steps(t, CHAINS))
             for b in BATCHES for t in tokens}
-    return sync, pipe
+    short = {(b, 1): sweep.forward_point(built.model, shorts[b], b, 1, vocab, control) for b in shorts}
+    return sync, pipe, short
 
 
 def decode_points(target, draft, context: int, new_tokens: int, alpha: float, seed: int) -> tuple[dict, dict]:
@@ -71,12 +75,14 @@ def decode_points(target, draft, context: int, new_tokens: int, alpha: float, se
     return points, decoded
 
 
-def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | None = None) -> dict:
+def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | None = None,
+          short: dict | None = None, second_context: int | None = None) -> dict:
     """A results entry as the sweep writes it."""
-    out = {**sweep.entry_header(built, context), "points": {}, "pipelined_points": {}}
+    out = {**sweep.entry_header(built, context), "points": {}, "pipelined_points": {}, "kv_points": {},
+           "kv_context": second_context if short else None}
     if role:
         out["role"] = role
-    for kind, measured in (("points", sync), ("pipelined_points", pipe)):
+    for kind, measured in (("points", sync), ("pipelined_points", pipe), ("kv_points", short or {})):
         for (b, t), m in measured.items():
             out[kind][sweep.point_key(b, t)] = sweep.recorded(kind, t, m, CHAINS, stats.get((b, t), {}))
     return out
@@ -87,6 +93,8 @@ def main() -> int:
     parser.add_argument("--model", default="tiny-moe")
     parser.add_argument("--draft", default="tiny-draft")
     parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--kv-context", type=int, default=None,
+                        help="second context of the one-token points (default: a quarter of --context, as the sweep's; 0: none)")
     parser.add_argument("--alpha", type=float, default=0.7)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence per decode run")
     parser.add_argument("--rounds", type=int, default=10, help="samples of every point, one per round")
@@ -103,13 +111,15 @@ def main() -> int:
     draft.materialise()
     cfg = sweep.SweepConfig(model=args.model, batches=BATCHES, tokens=TOKENS, context=args.context)
     control = sweep.routing_for(target, cfg)
-    target_sync, target_pipe = grid(target, args.context, TOKENS, control)
-    draft_sync, draft_pipe = grid(draft, args.context, (1,), None)
+    second = args.context // sweep.KV_LEVER if args.kv_context is None else args.kv_context
+    target_sync, target_pipe, target_short = grid(target, args.context, TOKENS, control, second)
+    draft_sync, draft_pipe, _ = grid(draft, args.context, (1,), None)
     vocab = target.config["vocab_size"]
     reject = {b: sweep.reject_point(b, REJECT_GAMMA, vocab) for b in BATCHES}
     decodes, decoded = decode_points(target, draft, args.context, args.tokens, args.alpha, seed=1)
     points = {**{("target", "sync", *k): p for k, p in target_sync.items()},
               **{("target", "pipe", *k): p for k, p in target_pipe.items()},
+              **{("target", "short", *k): p for k, p in target_short.items()},
               **{("draft", "sync", *k): p for k, p in draft_sync.items()},
               **{("draft", "pipe", *k): p for k, p in draft_pipe.items()},
               **{("reject", b): p for b, p in reject.items()}, **decodes}
@@ -122,7 +132,8 @@ def main() -> int:
         return {k[2:]: v for k, v in m.items() if k[:2] == (model, how)}
 
     data["sweeps"] = {sweep.entry_key(target, args.context): entry(
-        target, args.context, kind("target", "sync"), kind("target", "pipe"), control.stats if control else {})}
+        target, args.context, kind("target", "sync"), kind("target", "pipe"), control.stats if control else {},
+        short=kind("target", "short"), second_context=second)}
     data["draft"] = {sweep.entry_key(draft, args.context): entry(
         draft, args.context, kind("draft", "sync"), kind("draft", "pipe"), {}, role="draft")}
     data["reject"] = {f"V{vocab}|gamma{REJECT_GAMMA}": {"vocab": vocab, "gamma": REJECT_GAMMA, "points": {
@@ -132,7 +143,8 @@ def main() -> int:
     model = result.model()
     context = fit.decoding_context(args.context, args.tokens)
     print(f"{args.model} with {args.draft}, context {args.context}, {args.rounds} rounds: fit chose "
-          f"`{result.chosen}`, held-out MAPE {result.heldout_mape:.1%}; pipelining hides "
+          f"`{result.chosen}`, held-out MAPE {result.heldout_mape:.1%}; k_kv {result.k_kv * 1e6:.2f} us per "
+          f"cached token, k_seq {result.best.k_seq * 1e3:.3f} ms per sequence; pipelining hides "
           f"{result.pipelining.target_s * 1e3:.2f} ms per target forward, {result.pipelining.draft_s * 1e3:.2f} ms "
           "per draft step")
     print(f"{'B':>3} {'gamma':>5} {'alpha':>5} {'measured':>8} {'predicted':>9} {'error':>7}  "

@@ -240,6 +240,10 @@ def open_store(out: Path | None, per_chip: bool = False):
               show_default=True, help="New tokens t per sequence in one forward.")
 @click.option("--context", type=click.IntRange(min=1), default=512, show_default=True,
               help="KV-cache length L every forward attends over.")
+@click.option("--kv-context", type=click.IntRange(min=0), default=None, metavar="L2",
+              help="Also time the one-token points at this shorter context, so the fit can tell "
+                   "the KV cache's growth from costs per sequence; 0: not at all (saves a copy of "
+                   "every batch's cache) [default: a quarter of --context].")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Measure N and 2N layers and extrapolate [default: all if they fit].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="Quantize weights (group 64).")
@@ -265,7 +269,7 @@ def open_store(out: Path | None, per_chip: bool = False):
               help="With --parallel: seconds a rank waits for the others at any step, loading "
                    "included, before all exit [default: 300].")
 @json_option
-def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, gamma, routing, gather,
+def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dtype, draft, gamma, routing, gather,
                   quick, seconds_per_point, decode_chain, memory_limit, out, parallel, rank_timeout,
                   as_json) -> None:
     """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
@@ -279,7 +283,7 @@ def sweep_command(model, batches, tokens, context, layers, bits, dtype, draft, g
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
                       gamma=gamma, budget=budget_from(quick, seconds_per_point, decode_chain),
-                      routing=routing, gather=gather)
+                      routing=routing, gather=gather, kv_context=kv_context)
     validate(cfg)
     if rank_timeout is not None and not parallel:
         raise click.UsageError("--rank-timeout goes with --parallel")

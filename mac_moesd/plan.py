@@ -143,13 +143,16 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
         seconds += materialise_seconds(built, rates) + prefill_seconds(built, rates, big, plan.context)
         seconds += sum(grid_point_seconds(forward_seconds(built, rates, b, t, plan.context), plan.budget, t)
                        for b in plan.batches for t in plan.tokens)
+        if cfg.second_context:  # the one-token points again at the second context
+            seconds += sum(point_seconds(forward_seconds(built, rates, b, min(plan.tokens), cfg.second_context),
+                                         plan.budget) for b in plan.batches)
         first = forward_seconds(built, rates, plan.batches[0], plan.tokens[0], plan.context)
         seconds += point_seconds(first, plan.budget)  # the drift check
         peak = max(peak, need["peak_bytes"])
         parts.append({"layers": layers, "peak_bytes": need["peak_bytes"], "phase": need["phase"]})
     models_used = [name]
     if cfg.draft:
-        draft_cfg = replace(cfg, model=cfg.draft, tokens=(1,))
+        draft_cfg = sweep.draft_config(cfg)
         draft = models.build(models.resolve(cfg.draft), dtype, plan.bits)
         need = sweep.estimate(draft, draft_cfg)
         peak = max(peak, need["peak_bytes"])

@@ -10,7 +10,7 @@ move over the link. The collectives are counted from the model's own forward (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -100,6 +100,9 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
         prefills = [single.prefill_seconds(b, rates, big, plan.context) for b in builds]
         seconds += sum(prefills) if parallel == "pipeline" else max(prefills)
         seconds += sum(single.grid_point_seconds(forward(b, t), budget, t) for b in plan.batches for t in plan.tokens)
+        if cfg.second_context:  # the one-token points again at the second context
+            seconds += sum(single.point_seconds(forward(b, min(plan.tokens), cfg.second_context), budget)
+                           for b in plan.batches)
         seconds += single.point_seconds(forward(plan.batches[0], plan.tokens[0]), budget)  # the drift check
         # the communication benchmark: each collective timed for a point's budget, calibrated
         # evals lasting at least MIN_EVAL_S
@@ -111,7 +114,7 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
                       "peak_bytes": n["peak_bytes"], "phase": n["phase"]}
                      for r, (b, n) in enumerate(zip(builds, needs))]
     draft = models.build(models.resolve(plan.draft), dtype, plan.bits)  # whole, on every rank
-    draft_need = sweep.estimate(draft, replace(cfg, model=plan.draft, tokens=(1,)))
+    draft_need = sweep.estimate(draft, sweep.draft_config(cfg))
     peak = max(peak, draft_need["peak_bytes"])
     seconds += single.materialise_seconds(draft, rates) + single.prefill_seconds(draft, rates, big, plan.context)
     seconds += sum(single.grid_point_seconds(single.forward_seconds(draft, rates, b, 1, plan.context), budget, 1)

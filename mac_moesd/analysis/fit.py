@@ -20,10 +20,11 @@ The fit is to synchronous forwards; speedups are predicted with the timing each 
 (``pipelining``): plain decode and drafter steps pipelined, as mlx-lm runs them. The one-row
 forward T_T(1,1) is the sweep's own timing of it (``one_row``), not the curve's.
 
-The KV term is told apart from other per-sequence costs only by the grid varying B at a fixed
-n = B*t at one context: any cost per sequence lands in it, so carried to a longer context it can
-overstate the growth (on the CPU backend the ``mlx`` variant fitted 5.5x the cache's bytes over the
-measured bandwidth). Timing the one-token points at a second context would separate them.
+The KV term k_kv*B*L and a cost per sequence k_seq*B are told apart by the sweep's one-token
+points timed at a second, shorter context (``kv_points``), fitted with the rest. A sweep without
+them has one context only, where the two are the same function of B: k_seq is held at 0 and k_kv
+carries both, which overstates the growth with context (on the CPU backend the ``mlx`` variant
+fitted 5.5x the cache's bytes over the measured bandwidth) and the output says so.
 
 A sharded sweep (``sweep --parallel``) adds its measured communication term C(n)
 (``analysis.cluster``) to T_T, fixed, not fitted; the document then has a ``cluster`` section.
@@ -58,6 +59,9 @@ MIN_SIDE_POINTS = 2  # two parameters each for the drafter and rejection samplin
 LAM_BOUNDS = (0.2, 1.0)  # MoESD's bounds on lam, applied to the knee in tokens
 NO_DRAFT = "speedups need the drafter step T_D(B,1): rerun the sweep with --draft DRAFT"
 NO_REJECT = "speedups need the rejection-sampling step T_rej(B): rerun the sweep with --draft DRAFT"
+NO_SECOND_CONTEXT = ("no one-token points at a second context: the KV term k_kv*B*L also carries every "
+                     "cost per sequence, so predictions at other contexts overstate its growth; rerun "
+                     "the sweep (it times them at a quarter of --context unless --kv-context 0)")
 NO_PIPELINED = ("no pipelined timings in this sweep (made before they were recorded): predictions use "
                 "synchronous forwards for plain decode and drafter steps too; rerun the sweep to add them")
 # The byte bounds' lower end is half of bytes / measured bandwidth: the measured ceiling is an
@@ -122,6 +126,7 @@ class FitInputs:
     target_pipelined: tuple[tuple[int, int, float], ...] = ()  # (batch, tokens, seconds per forward)
     draft_pipelined: tuple[tuple[int, float], ...] = ()
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts per (B, t); uniform default
+    kv_points: tuple[tuple[int, int, int, float], ...] = ()  # (batch, tokens, context, seconds) at a second context
 
     @property
     def drafted(self) -> bool:
@@ -140,6 +145,8 @@ class VariantFit:
     heldout_mape: float | None
     worst: dict | None
     cost: float
+    k_seq: float = 0.0  # seconds per sequence that do not grow with context (0: not told apart)
+    kv_rows: list[dict] = field(default_factory=list)  # the fit at the second context
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,7 @@ class FitResult:
         i = self.inputs
         row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
-                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row)
+                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq)
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,7 @@ class FittedModel:
     comm: cluster.CommTerm | None = None  # a sharded forward's measured communication
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts the routing activates
     one_row: OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
+    k_seq: float = 0.0  # seconds per sequence that do not grow with context (theory.kv_time)
 
     def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True) -> np.ndarray:
         """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
@@ -208,7 +216,7 @@ class FittedModel:
         n = batch * np.asarray(tokens, dtype=float)
         link = self.comm.time(n) if comm and self.comm is not None else 0.0
         active = self.routing.unique(batch, tokens, self.experts, self.top_k)
-        kv = theory.kv_time(batch, context, self.k_kv)
+        kv = theory.kv_time(batch, context, self.k_kv, self.k_seq)
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
                                         self.sort_threshold, active) + kv + link)
         curve = pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
@@ -217,7 +225,7 @@ class FittedModel:
         # The timing includes the sweep's own link; a free link takes the measured one off.
         free_link = self.comm.time(n) if not comm and self.comm is not None else 0.0
         here = (self.one_row.seconds(pipelined, self.pipelining.target_s) + kv
-                - theory.kv_time(batch, self.one_row.context, self.k_kv) - free_link)
+                - theory.kv_time(batch, self.one_row.context, self.k_kv, self.k_seq) - free_link)
         return np.where((n == 1) & (here > 0), here, curve)
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
@@ -255,7 +263,7 @@ class FittedModel:
                    pipelining.Pipelining.from_dict(doc.get("pipelining")),
                    cluster.CommTerm.from_dict(comm) if comm else None,
                    expert_reads.Routing.from_dict(doc.get("routing")),
-                   OneRow.from_dict(doc.get("one_row")))
+                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0))
 
 
 # ---- reading a results file ----
@@ -285,6 +293,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     counts = {(b, t): float(points[f"{b}x{t}"]["unique_experts"]) for b, t, _ in target
               if points[f"{b}x{t}"].get("unique_experts") is not None}
     target_pipelined = _as_pairs(full_depth_points(view.entries, "pipelined_points")[0])
+    kv_points = _second_context(view.entries)
     missing = []
 
     drafts = [d for d in data.get("draft", {}).values() if d.get("points")
@@ -316,6 +325,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         missing.append("no measured or published bandwidth: bias and k2 are bounded below by 0 only")
     if not target_pipelined:
         missing.append(NO_PIPELINED)
+    if not kv_points:
+        missing.append(NO_SECOND_CONTEXT)
     if not view.as_run:
         missing.append(f"only a what-if sweep of {name} was found (routing {view.routing}, gather "
                        f"{view.gather}): the fit describes that, not generation as mlx-lm runs it; "
@@ -357,7 +368,19 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         draft_pipelined=tuple((b, s) for b, _, s in _as_pairs(draft.get("pipelined_points", {})))
         if draft and rejects else (),
         routing=expert_reads.fit_routing(counts, footprint["experts"], footprint["top_k"]),
+        kv_points=kv_points,
     )
+
+
+def _second_context(entries: list[dict]) -> tuple[tuple[int, int, int, float], ...]:
+    """The one-token points timed at the sweep's second context, at full depth; none where the
+    sweep timed none (or its slices were timed at different second contexts)."""
+    contexts = {e.get("kv_context") for e in entries}
+    if len(contexts) != 1 or None in contexts:
+        return ()
+    (context,) = contexts
+    points, _ = full_depth_points(entries, "kv_points")
+    return tuple((b, t, context, s) for b, t, s in _as_pairs(points))
 
 
 def _platform(meta: dict) -> str:
@@ -460,48 +483,64 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
     """Algorithm 1 with the expert-load term of ``loads``; parameters with equal bounds are held.
 
     Scored on the held-out points of a fit to the others, then refitted on every point: the
-    held-out error is the procedure's, the parameters use all the data."""
+    held-out error is the procedure's, the parameters use all the data. The points at the second
+    context train both fits; the held-out error stays at the sweep's own context."""
     train, held = split(inputs.target)
     _check_enough(inputs, train)
-    scored_model, scored_kv, _ = _solve(inputs, loads, train)
-    held_rows = _rows(inputs, loads, scored_model, scored_kv, held)
-    model, k_kv, cost = _solve(inputs, loads, inputs.target)
+    scored = _solve(inputs, loads, train)
+    held_rows = _rows(inputs, loads, scored, held)
+    fitted = _solve(inputs, loads, inputs.target)
     mape = float(np.mean([abs(r["error"]) for r in held_rows])) if held_rows else None
     worst = max(held_rows, key=lambda r: abs(r["error"])) if held_rows else None
-    return VariantFit(loads, model, k_kv, bounds_for(inputs, loads), _rows(inputs, loads, model, k_kv, inputs.target),
-                      held_rows, mape, worst, cost)
+    return VariantFit(loads, fitted.params, fitted.k_kv, bounds_for(inputs, loads),
+                      _rows(inputs, loads, fitted, inputs.target), held_rows, mape, worst, fitted.cost,
+                      fitted.k_seq, _rows(inputs, loads, fitted, inputs.kv_points))
 
 
-def _target_time(inputs: FitInputs, loads: str, model: theory.TimeModel, k_kv: float, batch, tokens):
+@dataclass(frozen=True)
+class _Solved:
+    params: theory.TimeModel
+    k_kv: float
+    k_seq: float
+    cost: float
+
+
+def _target_time(inputs: FitInputs, loads: str, solved, batch, tokens, context=None):
     """The fitted T_T at the sweep's points: the routing's own unique experts, the sweep's context
-    and a sharded sweep's measured communication (``FittedModel.target``, synchronous)."""
-    fitted = FittedModel(model, k_kv, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads,
-                         inputs.sort_threshold, inputs.drafted, comm=inputs.comm, routing=inputs.routing)
-    return fitted.target(batch, tokens, inputs.context)
+    (or the points' own) and a sharded sweep's measured communication (``FittedModel.target``,
+    synchronous)."""
+    fitted = FittedModel(solved.params, solved.k_kv, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads,
+                         inputs.sort_threshold, inputs.drafted, comm=inputs.comm, routing=inputs.routing,
+                         k_seq=solved.k_seq)
+    return fitted.target(batch, tokens, inputs.context if context is None else context)
 
 
-def _rows(inputs: FitInputs, loads: str, model: theory.TimeModel, k_kv: float, points: list) -> list[dict]:
+def _rows(inputs: FitInputs, loads: str, solved, points) -> list[dict]:
+    """Fitted against measured at ``points``: (batch, tokens, seconds) at the sweep's context, or
+    (batch, tokens, context, seconds) at their own, which the rows then record."""
     out = []
-    for b, t, s in points:
-        pred = float(_target_time(inputs, loads, model, k_kv, b, t))
-        out.append({"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred, "error": pred / s - 1})
+    for *shape, s in points:
+        b, t, context = (*shape, None) if len(shape) == 2 else shape
+        pred = float(_target_time(inputs, loads, solved, b, t, context))
+        row = {"batch": b, "tokens": t, "measured_s": s, "predicted_s": pred, "error": pred / s - 1}
+        out.append(row if context is None else {**row, "context": context})
     return out
 
 
-def _solve(inputs: FitInputs, loads: str, points: list) -> tuple[theory.TimeModel, float, float]:
-    """Least squares on relative residuals of ``points`` and the drafter and rejection steps:
-    (parameters, k_kv, cost)."""
+def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
+    """Least squares on relative residuals of ``points``, the points at the second context and
+    the drafter and rejection steps. k_seq is free only where a second context separates it."""
     bounds = bounds_for(inputs, loads)
     names = theory.TimeModel.names()
-    lo_all = np.append([bounds[n][0] for n in names], 0.0)
-    hi_all = np.append([bounds[n][1] for n in names], np.inf)
+    seq_hi = np.inf if inputs.kv_points else 0.0
+    lo_all = np.append([bounds[n][0] for n in names], [0.0, 0.0])
+    hi_all = np.append([bounds[n][1] for n in names], [np.inf, seq_hi])
     if np.any(lo_all > hi_all):
         raise MacMoesdError("inconsistent bounds: check the bandwidth and byte counts")
     free = lo_all < hi_all
     R = inputs.ridge_tokens
-    tb = np.array([b for b, _, _ in points], dtype=float)
-    tt = np.array([t for _, t, _ in points], dtype=float)
-    ty = np.array([s for _, _, s in points])
+    rows = [(b, t, inputs.context, s) for b, t, s in points] + list(inputs.kv_points)
+    tb, tt, tl, ty = (np.array(column, dtype=float) for column in zip(*rows))
     db = np.array([b for b, _ in inputs.draft], dtype=float)
     dy = np.array([s for _, s in inputs.draft])
     rb = np.array([b for b, _ in inputs.reject], dtype=float)
@@ -512,16 +551,19 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> tuple[theory.TimeMode
         out[free] = x
         return out
 
+    def solved(v) -> _Solved:
+        return _Solved(theory.TimeModel.from_vector(v[:-2]), float(v[-2]), float(v[-1]), 0.0)
+
     def residuals(x):
-        v = full_vector(x)
-        m = theory.TimeModel.from_vector(v[:-1])
+        fitted = solved(full_vector(x))
+        m = fitted.params
         return np.concatenate([
-            _target_time(inputs, loads, m, v[-1], tb, tt) / ty - 1,
+            _target_time(inputs, loads, fitted, tb, tt, tl) / ty - 1,
             m.draft_time(db, R) / dy - 1,
             m.reject_time(rb) / ry - 1,
         ])
 
-    x0 = np.append(_initial(bounds, inputs), 0.0)
+    x0 = np.append(_initial(bounds, inputs), [0.0, 0.0])
     lam_i, s_i = names.index("lam"), names.index("s")
     lam_lo, lam_hi = bounds["lam"]
     # Multi-start over the two shape parameters: G's knee makes the cost non-convex.
@@ -534,8 +576,7 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> tuple[theory.TimeMode
                                 method="trf", x_scale="jac")
             if best is None or res.cost < best.cost:
                 best = res
-    vector = full_vector(best.x)
-    return theory.TimeModel.from_vector(vector[:-1]), float(vector[-1]), float(best.cost)
+    return replace(solved(full_vector(best.x)), cost=float(best.cost))
 
 
 def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> FitResult:
@@ -698,7 +739,8 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "chosen": result.chosen,
         "regime": regime(result),
         "variants": [{"name": v.name, "heldout_mape": v.heldout_mape, "params": _params_doc(v, i.drafted),
-                      "k_kv": v.k_kv, "knee_tokens": v.params.knee(i.ridge_tokens), "worst_point": v.worst}
+                      "k_kv": v.k_kv, "k_seq": v.k_seq, "knee_tokens": v.params.knee(i.ridge_tokens),
+                      "worst_point": v.worst}
                      for v in result.variants],
         "missing": list(i.missing),
         "pipelining": result.pipelining.to_dict(),
@@ -706,6 +748,8 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "one_row": chosen.one_row.to_dict() if chosen.one_row else None,
         "params": _params_doc(best, i.drafted),
         "k_kv": best.k_kv,
+        "k_seq": best.k_seq,
+        "kv": kv_section(result),
         "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},
         "train_points": best.train,
         "heldout_points": best.heldout,
@@ -718,6 +762,15 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "communication": i.comm.to_dict() if i.comm is not None else None,
         "cluster": cluster_section(chosen, i),
     }
+
+
+def kv_section(result: FitResult) -> dict:
+    """How the KV term was identified: the two contexts, and the chosen fit at the second one."""
+    i, best = result.inputs, result.best
+    return {"context": i.context, "second_context": i.kv_points[0][2] if i.kv_points else None,
+            "separated": bool(i.kv_points), "k_kv": best.k_kv, "k_seq": best.k_seq,
+            "mape": float(np.mean([abs(r["error"]) for r in best.kv_rows])) if best.kv_rows else None,
+            "points": best.kv_rows}
 
 
 def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:

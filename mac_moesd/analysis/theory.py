@@ -188,9 +188,12 @@ def compute_transition(t: ArrayLike, knee: float, s: float) -> np.ndarray:
     return np.where(t <= knee, before, after)
 
 
-def kv_time(batch: ArrayLike, context: ArrayLike, k_kv: float) -> np.ndarray:
-    """MagicDec's KV-read term k_kv * B * L: the cache every step streams grows with B and L."""
-    return k_kv * np.asarray(batch, dtype=float) * np.asarray(context, dtype=float)
+def kv_time(batch: ArrayLike, context: ArrayLike, k_kv: float, k_seq: float = 0.0) -> np.ndarray:
+    """MagicDec's KV-read term k_kv * B * L (the cache every step streams grows with B and L), plus
+    a cost per sequence k_seq * B that does not grow with L (only timings at two contexts tell
+    the two apart; at one, k_seq is held at 0 and k_kv carries both)."""
+    batch = np.asarray(batch, dtype=float)
+    return batch * (k_seq + k_kv * np.asarray(context, dtype=float))
 
 
 # How a forward reads the experts its tokens picked (DESIGN §1, "expert loads as MLX executes them").

@@ -284,15 +284,16 @@ def _materialise(built) -> dict[str, int]:
 
 
 def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], context: int,
-                   chunk: int) -> dict:
+                   chunk: int, shortened: bool = False) -> dict:
     """Peak of one sweep slice: the largest batch's cache is prefilled once, every smaller batch
     gets a copy of its rows, and all are timed in one schedule (so all are alive together); a
-    forward grows a cache by its tokens before the rollback."""
+    forward grows a cache by its tokens before the rollback. With ``shortened``, every batch also
+    has a copy trimmed to a second context (a trimmed cache keeps its buffer)."""
     config, db = built.config, _dtype_bytes(built)
     # The config's layers are the ones this process caches (a pipeline stage holds fewer).
     per_slot = kv_bytes_per_slot(config, db) * config["num_hidden_layers"]
     big = max(batches)
-    rows = sum(b for b in set(batches) if b < big)
+    rows = sum(b for b in set(batches) if b < big) + (sum(set(batches)) if shortened else 0)
     prefill = prefill_forwards(context, chunk)
     _, prefill_peak = kv_slots(prefill)
     grown, grow_peak = kv_slots(prefill + [max(tokens)])

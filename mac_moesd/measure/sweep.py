@@ -9,7 +9,9 @@ graph construction included: what a verify forward that must be read back costs)
 chain of forwards, each built while the previous one runs under ``mx.async_eval``, as mlx-lm's
 generation loops do: what a decode step costs there; one-token chains are ``Budget.decode_chain``
 long, since decoding runs long chains and a chain's fixed cost is spread over its forwards). Also the
-drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B). Models too big for memory are
+drafter's one-token step T_D(B, 1) and rejection sampling T_rej(B). The one-token points are also timed at
+a second, shorter context (``kv_points``, from a copy of each batch's cache trimmed back), in the
+same schedule, so that the fit can tell the KV cache's growth with context from costs per sequence. Models too big for memory are
 measured on slices of N and 2N layers and extrapolated to full depth. On MoE models every point
 also records the unique experts and token-expert pairs its forwards ran, under the model's own
 routing or a forced one (``routing_control.py``).
@@ -38,6 +40,11 @@ __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
 PREFILL_CHUNK = 512
 PIPELINED_STEPS = 8  # forwards per pipelined sample of t > 1 tokens (verify-sized windows)
+# The second context is the first over this. The KV term's share of a step is small (on the CPU
+# backend at L = 64, 0.2-1.2 us per cached token per sequence against 10-35 ms steps), so the
+# difference between the two contexts is what identifies it, and a wider gap stands further above
+# the timing noise; a trimmed cache can only go shorter.
+KV_LEVER = 4
 
 
 def pipelined_steps(tokens: int, budget: timing.Budget) -> int:
@@ -76,6 +83,7 @@ class SweepConfig:
     seed: int = 0
     routing: str = "model"  # model, uniform, correlated:C or trace:FILE (routing_control.py)
     gather: str = "mlx-lm"  # mlx-lm, or sorted: mlx-lm's sorted expert path at every size
+    kv_context: int | None = None  # second context of the one-token points; None: context // KV_LEVER, 0: none
 
     def __post_init__(self):
         for name, values in (("batch", self.batches), ("tokens", self.tokens)):
@@ -85,6 +93,15 @@ class SweepConfig:
             raise BadInput(f"--context must be >= 1, got {self.context}")
         if self.gamma < 1:
             raise BadInput(f"--gamma must be >= 1, got {self.gamma}")
+        if self.kv_context is not None and not 0 <= self.kv_context < self.context:
+            raise BadInput(f"--kv-context must be in 0..{self.context - 1} (below --context), got {self.kv_context}")
+
+    @property
+    def second_context(self) -> int | None:
+        """The shorter context the one-token points are also timed at; None when there is none."""
+        if self.kv_context is not None:
+            return self.kv_context or None
+        return self.context // KV_LEVER or None
 
 
 # ---- memory ----
@@ -92,7 +109,8 @@ class SweepConfig:
 
 def estimate(built: models.Built, cfg: SweepConfig) -> dict:
     """Peak memory of measuring one slice (``memory.sweep_estimate``), before allocating it."""
-    return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK)
+    return memory.sweep_estimate(built, cfg.batches, cfg.tokens, cfg.context, PREFILL_CHUNK,
+                                 shortened=cfg.second_context is not None)
 
 
 def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
@@ -180,6 +198,17 @@ class RolledBackCache:
             out.cache.append(copied)
         out.snapshot = None if self.snapshot is None else [take(s) for s in self.snapshot]
         mx.eval(out.state(), out.snapshot or [])
+        return out
+
+    def shortened(self, batch: int, context: int) -> RolledBackCache:
+        """The first ``batch`` sequences trimmed back to their first ``context`` tokens, as a cache
+        of their own: the same prompt at a shorter context, with no second prefill."""
+        if not self.trimmable:
+            raise MacMoesdError("only a trimmable KV cache can be shortened")
+        out = self.rows(batch)
+        trim_prompt_cache(out.cache, self.context - context)
+        out.context = context
+        out.reset()  # checks every layer's offset
         return out
 
     def state(self) -> list:
@@ -315,6 +344,8 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     parent = None
     entry.setdefault("pipelined_points", {})
     kinds = ("points", "pipelined_points")
+    short = kv_context_of(cfg, entry)
+    kv_tokens = min(tokens)
 
     def cache_for(batch: int) -> RolledBackCache:
         nonlocal parent
@@ -328,15 +359,26 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     # a difference between batches. Caches: the largest batch's prefill, then copies of its rows.
     todo = [(kind, b, t) for b in cfg.batches for t in tokens for kind in kinds
             if point_key(b, t) not in entry[kind]]
+    if short is not None:
+        todo += [("kv_points", b, kv_tokens) for b in cfg.batches
+                 if point_key(b, kv_tokens) not in entry["kv_points"]]
     for b in cfg.batches:
         for t in tokens:
             if all(point_key(b, t) in entry[kind] for kind in kinds):
                 progress.advance(f"{built.source.name} layers={built.layers} B={b} t={t} (kept)")
-    caches = batch_caches(cache_for(big), {b for _, b, _ in todo}) if todo else {}
+    if short is not None and any(kind == "kv_points" for kind, _, _ in todo) and not cache_for(big).trimmable:
+        # A sliding window filled past its size cannot go back to a shorter context.
+        entry.update(kv_context=None, kv_points={}, kv_untrimmable=True)
+        todo = [key for key in todo if key[0] != "kv_points"]
+    # Short copies first: each is made from the prefill's rows before the batches' own caches exist.
+    shorts = {b: cache_for(big).shortened(b, short) for kind, b, _ in todo if kind == "kv_points"}
+    caches = batch_caches(cache_for(big), {b for k, b, _ in todo if k in kinds}) if todo else {}
 
     def point(kind: str, b: int, t: int) -> timing.Point:
         if kind == "points":
             return forward_point(built.model, caches[b], b, t, vocab, control)
+        if kind == "kv_points":
+            return forward_point(built.model, shorts[b], b, t, vocab, control)
         return pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
 
     points = {key: point(*key) for key in todo}
@@ -346,18 +388,30 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
         entry[kind][point_key(batch, t)] = recorded(kind, t, m, cfg.budget,
                                                     control.stats[(batch, t)] if control else {})
         save()
-        if all(point_key(batch, t) in entry[k] for k in kinds):
+        if kind in kinds and all(point_key(batch, t) in entry[k] for k in kinds):
             progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
 
-    # A shape's synchronous and pipelined timings are compared (the graph-build time pipelining
-    # hides), so they are taken back to back.
+    # A shape's timings are compared with each other (the graph-build time pipelining hides; the
+    # KV cache's growth between the two contexts), so they are taken back to back.
     timing.measure(points, cfg.budget, rng, on_done=done, group=lambda key: key[1:])
-    del caches, points
+    del caches, shorts, points
     ran = parent is not None
     if check_drift and (ran or "drift" not in entry):
         entry["drift"] = measure_drift(built, cfg, entry, rng, cache_for(cfg.batches[0]), control)
         ran = True
     return ran
+
+
+def kv_context_of(cfg: SweepConfig, entry: dict) -> int | None:
+    """The second context ``entry``'s one-token points are timed at, or None (none asked for, or
+    a prefilled cache found not to trim back, e.g. a sliding window's). Points an entry holds at
+    another second context are dropped: a resumed sweep times them at the one asked for now."""
+    short = None if entry.get("kv_untrimmable") else cfg.second_context
+    if entry.get("kv_context") != short:
+        entry["kv_points"] = {}
+    entry["kv_context"] = short
+    entry.setdefault("kv_points", {})
+    return short
 
 
 def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
@@ -467,11 +521,15 @@ def check_context(source: models.ModelSource, cfg: SweepConfig) -> None:
         )
 
 
+def draft_config(cfg: SweepConfig) -> SweepConfig:
+    """The drafter's part of a sweep: its one-token step, whole, as mlx-lm runs it (the what-ifs
+    and the second context concern the target)."""
+    return replace(cfg, model=cfg.draft, tokens=(1,), layers=None, routing="model", gather="mlx-lm", kv_context=0)
+
+
 def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
     """T_D(B, 1): the drafter's one-token step at every batch size (full depth, never sliced)."""
-    # The drafter runs as mlx-lm runs it: the what-ifs concern the target.
-    draft_cfg = replace(cfg, model=cfg.draft, tokens=(1,), layers=None, bits=cfg.bits, routing="model",
-                        gather="mlx-lm")
+    draft_cfg = draft_config(cfg)
     source = models.resolve(cfg.draft)
     check_context(source, draft_cfg)
     plan = plan_layers(source, draft_cfg, available_bytes)
@@ -547,6 +605,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
     wanted = {point_key(b, t) for b in cfg.batches for t in cfg.tokens}
     points = {k: v for k, v in full_depth(entries, plan).items() if k in wanted}
     pipelined = full_depth(entries, plan, "pipelined_points")
+    kv_points = full_depth(entries, plan, "kv_points")
     extrapolated = len(plan) > 1
     warnings = []
     for entry in entries:
@@ -564,6 +623,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
         "model": source.name,
         "points": points_list(points, pipelined),
         "context": cfg.context,
+        "kv_points": {"context": entries[0]["kv_context"], "points": points_list(kv_points)} if kv_points else None,
         "layers_measured": plan,
         "layers_full": entries[0]["layers_full"],
         "extrapolated": extrapolated,

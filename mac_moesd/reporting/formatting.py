@@ -324,6 +324,20 @@ def one_row_lines(doc: dict) -> list[str]:
             "predictions take the timed one"]
 
 
+def kv_lines(doc: dict) -> list[str]:
+    """How the fit told the KV cache's growth from costs per sequence: from two contexts, with its
+    error at the second, or at one context, where the two are confounded."""
+    kv = doc.get("kv")
+    k_seq = doc.get("k_seq", 0.0)
+    if not kv or not kv["separated"]:
+        return [f"KV term k_kv = {doc['k_kv'] * 1e6:.2f} us per cached token per sequence, fitted at "
+                f"context {doc['context']} alone: it also carries every cost per sequence, so predictions "
+                "at a longer context overstate its growth"]
+    return [f"KV term k_kv = {kv['k_kv'] * 1e6:.2f} us per cached token per sequence and k_seq = "
+            f"{k_seq * 1e3:.3f} ms per sequence, told apart by the one-token points at contexts "
+            f"{kv['context']} and {kv['second_context']} (MAPE {kv['mape']:.1%} at {kv['second_context']})"]
+
+
 def routing_sentence(doc: dict) -> str:
     """How the fit counted expert reads: the sweep's unique experts and the fitted correlations."""
     routing = doc.get("routing") or {}
@@ -364,8 +378,11 @@ def render_fit(doc: dict) -> str:
         table(["parameter", "value", "lower", "upper"],
               [[k, _num(v), f"{doc['bounds'][k][0]:.3g}",
                 "inf" if doc["bounds"][k][1] is None else f"{doc['bounds'][k][1]:.3g}"] for k, v in p.items()]
-              + [["k_kv", f"{doc['k_kv']:.4g}", "0", "inf"]]),
-        "k_kv: MagicDec's KV-read term, seconds per cached token per sequence (k_kv * B * L)",
+              + [["k_kv", f"{doc['k_kv']:.4g}", "0", "inf"],
+                 ["k_seq", f"{doc.get('k_seq', 0.0):.4g}", "0", "inf" if (doc.get("kv") or {}).get("separated") else "0"]]),
+        "k_kv: MagicDec's KV-read term, seconds per cached token per sequence; k_seq: seconds per "
+        "sequence whatever the context (together B * (k_seq + k_kv * L))",
+        *kv_lines(doc),
         "",
     ]
     if doc["heldout_mape"] is not None:

@@ -18,7 +18,7 @@ from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
-from mac_moesd.reporting.formatting import (measured_speedup, one_row_lines, pipelining_lines, routing_sentence,
+from mac_moesd.reporting.formatting import (measured_speedup, kv_lines, one_row_lines, pipelining_lines, routing_sentence,
                                              seconds)
 
 __all__ = ["build_blocks", "write_report"]
@@ -310,8 +310,9 @@ def _fit(d: Digest, figures) -> list:
                        "(MoESD's Algorithm 1, k2*N(n)); `pairs` once per token-expert pair (k2*n*K); "
                        "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
         blocks += [("p", line[0].upper() + line[1:] + ".")
-                   for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f)]
-        rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"]]
+                   for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f) + kv_lines(f)]
+        rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"],
+                                                                                 ["k_seq", f"{f.get('k_seq', 0.0):.4g}"]]
         blocks.append(("table", ["parameter", f"value (`{f['chosen']}`)"], rows))
         for line in f["missing"]:
             blocks.append(("note", line))
