@@ -423,12 +423,28 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 
     RESULTS is a results.json or the folder holding it.
     """
-    from mac_moesd.analysis import fit
-    from mac_moesd.results import load_results
+    from mac_moesd.results import WriterLock
 
     if alpha and any(a >= 1 for a in alpha):
         raise click.BadParameter(f"{max(alpha)} is not in (0, 1)", param_hint="'--alpha'")
     path = results / "results.json" if results.is_dir() else results
+    lock = busy = None
+    if path.exists():
+        try:  # before reading: the fit is written back into what was read
+            lock = WriterLock.take(path)
+        except MacMoesdError as err:  # another process writes it, or its folder is read-only
+            busy = err
+    try:
+        _fit_into(path, busy, model, alpha, verify_tokens, as_json)
+    finally:
+        if lock is not None:
+            WriterLock.release(lock)
+
+
+def _fit_into(path, busy, model, alpha, verify_tokens, as_json) -> None:
+    from mac_moesd.analysis import fit
+    from mac_moesd.results import load_results, write_atomic
+
     data = load_results(path)
     inputs = fit.inputs_from_results(data, model, verify_tokens)
     if inputs.ridge is not None and "no roofline" in inputs.ridge_source:
@@ -437,10 +453,11 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
         warn(what)
     result = fit.fit(inputs)
     document = fit.fit_document(result, alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alpha or ()))))
-    data.setdefault("fits", {})[document["model"]] = document
-    from mac_moesd.results import write_atomic
-
-    write_atomic(path, data)
+    if busy is None:
+        data.setdefault("fits", {})[document["model"]] = document
+        write_atomic(path, data)
+    else:
+        warn(f"the fit was not saved: {busy}; rerun `mac-moesd fit` when it has finished")
     emit(document, as_json, render_fit)
 
 

@@ -9,19 +9,27 @@ Format history (``schema``):
 Rerunning the same command resumes: points already present under the same key are skipped. A file
 that is corrupt, of another schema, or measured on another machine or MLX version is reported and
 left untouched.
+
+One process writes a results file at a time: a command holds the file's writer's lock
+(``WriterLock``) while it has the file open, so a second command pointed at the same file (another
+terminal, the same default folder) stops at once with a clear error instead of each overwriting
+the other's points with its own copy of the file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import sys
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["SCHEMA", "ResultsStore", "load_results"]
+__all__ = ["SCHEMA", "ResultsBusy", "ResultsStore", "WriterLock", "load_results"]
 
 SCHEMA = "mac-moesd/1"
 # Meta fields that must match for measurements to share one file.
@@ -49,6 +57,56 @@ def load_results(path: Path) -> dict:
             "it was left untouched"
         )
     return data
+
+
+class ResultsBusy(MacMoesdError):
+    """Another process holds the results file's writer's lock."""
+
+
+class WriterLock:
+    """The writer's lock of one results file: an exclusive ``flock`` on a hidden file beside it.
+    The kernel releases it however the process ends, so a killed run leaves nothing stale behind.
+    Takes within one process are counted (a command that opens its file twice, tests that run
+    commands in process), and the lock is let go when the last taker releases it."""
+
+    _held: dict[Path, list[int]] = {}  # file -> [descriptor, takers]
+
+    @classmethod
+    def take(cls, path: Path) -> Path:
+        """Take the lock of ``path`` (ResultsBusy if another process holds it); returns the key
+        to ``release`` it with."""
+        key = Path(path).resolve()
+        if key in cls._held:
+            cls._held[key][1] += 1
+            return key
+        try:
+            fd = os.open(key.with_name(f".{key.name}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as err:
+            raise MacMoesdError(f"cannot write beside {path}: {err.strerror or err}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip()
+            os.close(fd)
+            raise ResultsBusy(
+                f"{path} is being written by another mac-moesd process"
+                + (f" ({holder})" if holder else "")
+                + "; wait for it to finish, or write elsewhere with --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}: {' '.join(sys.argv[1:]) or sys.argv[0]}".encode())
+        cls._held[key] = [fd, 1]
+        return key
+
+    @classmethod
+    def release(cls, key: Path) -> None:
+        held = cls._held.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del cls._held[key]
+            os.close(held[0])  # closing the descriptor lets the flock go
 
 
 def ensure_writable(folder: Path) -> None:
@@ -121,10 +179,18 @@ class ResultsStore:
     def __init__(self, path: Path, meta: dict):
         self.path = Path(path)
         ensure_writable(self.path.parent)
+        key = WriterLock.take(self.path)
+        # Held while this store lives: a command's store goes when the command returns.
+        self.close = weakref.finalize(self, WriterLock.release, key)
         if self.path.exists():
-            self.data = load_results(self.path)
-            why = incompatibility(self.data.get("meta", {}), meta)
+            try:
+                self.data = load_results(self.path)
+                why = incompatibility(self.data.get("meta", {}), meta)
+            except MacMoesdError:
+                self.close()
+                raise
             if why:
+                self.close()
                 raise MacMoesdError(
                     f"{self.path} was measured elsewhere ({why}); it was left untouched. "
                     "Write to another folder with --out."
