@@ -134,6 +134,7 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
                             dtype=dtype, bits=plan.bits, budget=plan.budget,
                             draft=plan.draft if name in plan.moe else None)
     source = models.resolve(name)
+    cfg, _ = sweep.timed_config(source, cfg)  # as the sweep will run it
     slices = sweep.plan_layers(source, cfg, usable)
     peak, seconds, parts = 0, 0.0, []
     for layers in slices:

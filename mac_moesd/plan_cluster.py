@@ -80,6 +80,7 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
     cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
                             dtype=dtype, bits=plan.bits, budget=plan.budget, draft=plan.draft)
     source = models.resolve(name)
+    cfg, _ = sweep.timed_config(source, cfg)  # as the sweep will run it
 
     def largest_rank(source, dtype=None, bits=None, layers=None, seed=0):
         builds = rank_builds(source, dtype, bits, layers, parallel, ranks)

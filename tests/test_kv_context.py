@@ -29,10 +29,10 @@ def with_costs_per_sequence(data: dict, second_context: int | None = SECOND, noi
     if second_context is not None:
         batches = sorted({int(k.split("x")[0]) for k in entry["points"]})
         entry["kv_context"] = second_context
-        entry["kv_points"] = {
+        entry["kv_points"] = {str(second_context): {
             f"{b}x1": {"median_s": (true_time(b, 1) + theory.kv_time(b, second_context - L, K_KV) + K_SEQ * b)
                        * (1 + noise * rng.standard_normal())}
-            for b in batches}
+            for b in batches}}
     return data
 
 
@@ -110,14 +110,14 @@ def test_the_estimate_counts_the_shortened_copies():
     assert two["parts"]["kv_rows"] == (1 + 2 + 1 + 2 + 4) * per_sequence
 
 
-def test_the_sweep_times_one_token_points_at_the_second_context_and_retimes_them_when_it_changes(tmp_path):
+def test_the_sweep_times_one_token_points_at_the_second_context_and_keeps_them_when_it_changes(tmp_path):
     cfg = sweep.SweepConfig(model="tiny-moe", batches=(1, 2), tokens=(1, 2), context=16, budget=TINY_BUDGET)
     store = ResultsStore(tmp_path / "results.json", {})
     doc = sweep.run_sweep(cfg, store, None)
     assert doc["kv_points"]["context"] == 4
     assert [(p["batch"], p["tokens"]) for p in doc["kv_points"]["points"]] == [(1, 1), (2, 1)]
     (entry,) = store.data["sweeps"].values()
-    first = dict(entry["kv_points"])
+    first = copy.deepcopy(entry["kv_points"]["4"])
 
     again = sweep.run_sweep(cfg, ResultsStore(tmp_path / "results.json", {}), None)  # resumed: kept
     assert again["kv_points"]["points"] == doc["kv_points"]["points"]
@@ -125,7 +125,48 @@ def test_the_sweep_times_one_token_points_at_the_second_context_and_retimes_them
     changed = sweep.run_sweep(sweep.SweepConfig(**{**cfg.__dict__, "kv_context": 8}), store, None)
     assert changed["kv_points"]["context"] == 8
     (entry,) = store.data["sweeps"].values()
-    assert entry["kv_points"].keys() == first.keys() and entry["kv_points"] != first
+    assert entry["kv_points"]["4"] == first  # kept, no longer used
+    assert entry["kv_points"]["8"].keys() == first.keys()
+    # 0: nothing timed at a second context, and what was timed beside the grid stays in use
     none = sweep.run_sweep(sweep.SweepConfig(**{**cfg.__dict__, "kv_context": 0}),
                            ResultsStore(tmp_path / "results.json", {}), None)
-    assert none["kv_points"] is None
+    assert none["kv_points"]["context"] == 8
+
+
+def test_a_file_made_before_second_contexts_gets_them_timed_beside_their_twins(tmp_path):
+    cfg = sweep.SweepConfig(model="tiny-moe", batches=(1, 2), tokens=(1, 2), context=16, budget=TINY_BUDGET)
+    store = ResultsStore(tmp_path / "results.json", {})
+    sweep.run_sweep(sweep.SweepConfig(**{**cfg.__dict__, "kv_context": 0}), store, None)
+    (entry,) = store.data["sweeps"].values()
+    assert "kv_context" not in entry and entry["kv_points"] == {}
+    before = copy.deepcopy(entry)
+
+    store = ResultsStore(tmp_path / "results.json", {})
+    doc = sweep.run_sweep(cfg, store, None)
+    (entry,) = store.data["sweeps"].values()
+    assert doc["kv_points"]["context"] == 4
+    for kind in ("points", "pipelined_points"):
+        for key, point in entry[kind].items():
+            twin = key.endswith("x1")  # timed again in the schedule of its second-context point
+            assert (point["samples_s"] != before[kind][key]["samples_s"]) == twin, (kind, key)
+
+
+def test_a_model_whose_cache_cannot_trim_is_said_to_be_timed_at_one_context():
+    data = with_costs_per_sequence(synthetic_results(noise=0.005), second_context=None)
+    data["sweeps"]["m"]["kv_untrimmable"] = True
+    missing = fit.inputs_from_results(data).missing
+    assert fit.ONE_CONTEXT_ONLY in missing and fit.NO_SECOND_CONTEXT not in missing
+
+
+def test_fits_stored_before_second_contexts_still_render():
+    from mac_moesd.reporting import formatting
+
+    doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
+    for key in ("kv", "k_seq"):
+        del doc[key]
+    for variant in doc["variants"]:
+        del variant["k_seq"]
+    (line,) = formatting.kv_lines(doc)
+    assert f"fitted at context {L} alone" in line
+    assert "k_seq" in formatting.render_fit(doc)
+    assert fit.FittedModel.from_document(doc).k_seq == 0.0

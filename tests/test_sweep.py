@@ -33,11 +33,15 @@ def test_every_zoo_architecture_runs_a_timed_forward_with_rollback(entry, config
         assert p["median_s"] > 0 and p["repeats"] == 3
     assert doc["layers_measured"] == [2] and not doc["extrapolated"]
     assert doc["footprint"]["params_total"] > 0
-    (entry,) = store.data["sweeps"].values()
-    if "sliding_window" not in config:
+    (stored,) = store.data["sweeps"].values()
+    # gpt-oss alternates full and sliding-window attention: a window filled past its size cannot
+    # trim back to the second context, so that model is timed at one context and says so.
+    one_context = entry.name == "gpt-oss-20b"
+    assert bool(stored.get("kv_untrimmable")) == one_context
+    if one_context:
+        assert doc["kv_points"] is None and any("cannot be trimmed back" in w for w in doc["warnings"])
+    else:
         assert [p["batch"] for p in doc["kv_points"]["points"]] == [1, 2]
-    else:  # a window filled past its size cannot trim back to the second context, and says so
-        assert doc["kv_points"] is not None or entry["kv_untrimmable"]
 
 
 def test_rollback_restores_cache_and_output(config_dir):

@@ -15,20 +15,29 @@ from mac_moesd.errors import MacMoesdError
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
 
+def depth_entries(entries: list[dict]) -> list[dict]:
+    """The entries full depth is read from: the full-depth one, else an (n, 2n) pair of slices."""
+    for e in entries:
+        if e["layers"] == e["layers_full"]:
+            return [e]
+    by_layers = {e["layers"]: e for e in entries}
+    for n, small in sorted(by_layers.items()):
+        if 2 * n in by_layers:
+            return [small, by_layers[2 * n]]
+    raise MacMoesdError("only partial layer slices were measured; rerun the sweep to finish them")
+
+
 def full_depth_points(entries: list[dict], kind: str = "points") -> tuple[dict, bool]:
     """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices.
     ``kind``: "points" (synchronous) or "pipelined_points" (empty where not measured)."""
     from mac_moesd.measure.sweep import extrapolate
 
-    for e in entries:
-        if e["layers"] == e["layers_full"]:
-            return e.get(kind, {}), False
-    by_layers = {e["layers"]: e for e in entries}
-    for n, small in sorted(by_layers.items()):
-        if 2 * n in by_layers:
-            return extrapolate({"points": small.get(kind, {})}, {"points": by_layers[2 * n].get(kind, {})},
-                               n, small["layers_full"]), True
-    raise MacMoesdError("only partial layer slices were measured; rerun the sweep to finish them")
+    used = depth_entries(entries)
+    if len(used) == 1:
+        return used[0].get(kind, {}), False
+    small, large = used
+    return extrapolate({"points": small.get(kind, {})}, {"points": large.get(kind, {})},
+                       small["layers"], small["layers_full"]), True
 
 
 def scaled_footprint(entry: dict) -> dict:

@@ -1,6 +1,6 @@
 """Fit MoESD's Algorithm-1 time model to measured T_T(B,t), T_D(B,1), T_rej(B); predict S(B,gamma).
 
-The 10 parameters, plus MagicDec's KV term k_kv*B*L, are fitted jointly with scipy's
+The 10 parameters, plus MagicDec's KV term k_kv*B*L and a cost per sequence k_seq*B, are fitted jointly with scipy's
 trust-region-reflective least squares on relative residuals (every point weighs alike, as the
 held-out MAPE does), once per expert-load variant (``theory.EXPERT_LOADS``); held-out error picks
 the variant the predictions use, refitted on every point. Bounds follow MoESD: bias in
@@ -42,7 +42,7 @@ from scipy.optimize import least_squares
 
 from mac_moesd.machine import hardware
 from mac_moesd.analysis import cluster, expert_reads, pipelining, theory
-from mac_moesd.analysis.digest import Digest, full_depth_points
+from mac_moesd.analysis.digest import Digest, depth_entries, full_depth_points
 from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -59,6 +59,9 @@ MIN_SIDE_POINTS = 2  # two parameters each for the drafter and rejection samplin
 LAM_BOUNDS = (0.2, 1.0)  # MoESD's bounds on lam, applied to the knee in tokens
 NO_DRAFT = "speedups need the drafter step T_D(B,1): rerun the sweep with --draft DRAFT"
 NO_REJECT = "speedups need the rejection-sampling step T_rej(B): rerun the sweep with --draft DRAFT"
+ONE_CONTEXT_ONLY = ("the model's KV cache cannot be trimmed back to a shorter context (sliding-window, "
+                    "chunked or state-space layers), so the sweep timed one context: the KV term k_kv*B*L "
+                    "also carries every cost per sequence, and predictions at other contexts overstate its growth")
 NO_SECOND_CONTEXT = ("no one-token points at a second context: the KV term k_kv*B*L also carries every "
                      "cost per sequence, so predictions at other contexts overstate its growth; rerun "
                      "the sweep (it times them at a quarter of --context unless --kv-context 0)")
@@ -326,7 +329,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     if not target_pipelined:
         missing.append(NO_PIPELINED)
     if not kv_points:
-        missing.append(NO_SECOND_CONTEXT)
+        untrimmable = any(e.get("kv_untrimmable") for e in depth_entries(view.entries))
+        missing.append(ONE_CONTEXT_ONLY if untrimmable else NO_SECOND_CONTEXT)
     if not view.as_run:
         missing.append(f"only a what-if sweep of {name} was found (routing {view.routing}, gather "
                        f"{view.gather}): the fit describes that, not generation as mlx-lm runs it; "
@@ -373,13 +377,16 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
 
 
 def _second_context(entries: list[dict]) -> tuple[tuple[int, int, int, float], ...]:
-    """The one-token points timed at the sweep's second context, at full depth; none where the
-    sweep timed none (or its slices were timed at different second contexts)."""
-    contexts = {e.get("kv_context") for e in entries}
+    """The one-token points timed at the sweep's second context beside its grid, at full depth;
+    none where the sweep timed none (or its slices were timed at different second contexts)."""
+    from mac_moesd.measure.sweep import kv_in_use
+
+    used = depth_entries(entries)
+    contexts = {e.get("kv_context") for e in used}
     if len(contexts) != 1 or None in contexts:
         return ()
     (context,) = contexts
-    points, _ = full_depth_points(entries, "kv_points")
+    points, _ = full_depth_points([{**e, "kv_in_use": kv_in_use(e)} for e in used], "kv_in_use")
     return tuple((b, t, context, s) for b, t, s in _as_pairs(points))
 
 
@@ -455,7 +462,7 @@ def _check_enough(inputs: FitInputs, train: list) -> None:
     if inputs.drafted and len({b for b, _ in inputs.reject}) < MIN_SIDE_POINTS:
         short.append(f"T_rej at {MIN_SIDE_POINTS - len(inputs.reject)} more batch sizes")
     if short:
-        raise BadInput("too few points to fit the 11 parameters: need " + "; ".join(short))
+        raise BadInput("too few points to fit the time model: need " + "; ".join(short))
 
 
 def _initial(bounds: dict[str, tuple[float, float]], inputs: FitInputs) -> np.ndarray:

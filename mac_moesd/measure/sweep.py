@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (CacheList, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache,
+                                  can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache)
 
 from mac_moesd.machine import memory
 from mac_moesd.inputs import models, zoo
@@ -200,15 +201,17 @@ class RolledBackCache:
         mx.eval(out.state(), out.snapshot or [])
         return out
 
-    def shortened(self, batch: int, context: int) -> RolledBackCache:
+    def shortened(self, batch: int, context: int) -> RolledBackCache | None:
         """The first ``batch`` sequences trimmed back to their first ``context`` tokens, as a cache
-        of their own: the same prompt at a shorter context, with no second prefill."""
+        of their own: the same prompt at a shorter context, with no second prefill. None where
+        the cache cannot go back that far (``can_shorten`` says so before any prefill)."""
         if not self.trimmable:
-            raise MacMoesdError("only a trimmable KV cache can be shortened")
+            return None
         out = self.rows(batch)
         trim_prompt_cache(out.cache, self.context - context)
+        if {c.offset for c in out.cache} != {context}:
+            return None
         out.context = context
-        out.reset()  # checks every layer's offset
         return out
 
     def state(self) -> list:
@@ -222,9 +225,11 @@ def batch_caches(parent: RolledBackCache, batches) -> dict[int, RolledBackCache]
 
 
 def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
-                  control: SweepRouting | None = None) -> timing.Point:
-    """One grid point; with ``control`` its routing is prepared here, before any timing."""
-    inputs = mx.random.randint(0, vocab, (batch, tokens))
+                  control: SweepRouting | None = None, inputs: mx.array | None = None) -> timing.Point:
+    """One grid point, fed ``inputs`` (default: random ids); with ``control`` its routing is
+    prepared here, before any timing."""
+    if inputs is None:
+        inputs = mx.random.randint(0, vocab, (batch, tokens))
     mx.eval(inputs)
 
     def run():
@@ -330,9 +335,11 @@ def measure_grid(
     check_drift: bool = False,
 ) -> bool:
     """Measure the missing (B, t) points of ``entry``, synchronous (``entry["points"]``) and
-    pipelined (``entry["pipelined_points"]``), and with ``check_drift`` the drift check, all on one
-    prefill: the largest batch's cache, and copies of its rows for the smaller batches. True if
-    anything ran. MoE models run under ``cfg.routing`` and ``cfg.gather`` throughout."""
+    pipelined (``entry["pipelined_points"]``), the one-token points at the second context
+    (``entry["kv_points"]``, per context) and with ``check_drift`` the drift check, all on one
+    prefill: the largest batch's cache, and copies of its rows for the smaller batches (trimmed
+    copies for the second context). True if anything ran. MoE models run under ``cfg.routing``
+    and ``cfg.gather`` throughout."""
     control = routing_for(built, cfg)
     with control.installed() if control else contextlib.nullcontext():
         return _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, control)
@@ -359,36 +366,42 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     # a difference between batches. Caches: the largest batch's prefill, then copies of its rows.
     todo = [(kind, b, t) for b in cfg.batches for t in tokens for kind in kinds
             if point_key(b, t) not in entry[kind]]
-    if short is not None:
-        todo += [("kv_points", b, kv_tokens) for b in cfg.batches
-                 if point_key(b, kv_tokens) not in entry["kv_points"]]
     for b in cfg.batches:
         for t in tokens:
             if all(point_key(b, t) in entry[kind] for kind in kinds):
                 progress.advance(f"{built.source.name} layers={built.layers} B={b} t={t} (kept)")
-    if short is not None and any(kind == "kv_points" for kind, _, _ in todo) and not cache_for(big).trimmable:
-        # A sliding window filled past its size cannot go back to a shorter context.
-        entry.update(kv_context=None, kv_points={}, kv_untrimmable=True)
-        todo = [key for key in todo if key[0] != "kv_points"]
+    kv_todo = [b for b in cfg.batches if short is not None and point_key(b, kv_tokens) not in kv_in_use(entry)]
     # Short copies first: each is made from the prefill's rows before the batches' own caches exist.
-    shorts = {b: cache_for(big).shortened(b, short) for kind, b, _ in todo if kind == "kv_points"}
+    shorts = {b: cache_for(big).shortened(b, short) for b in kv_todo}
+    if any(c is None for c in shorts.values()):  # a cache ``can_shorten`` misjudged: one context only
+        entry.update(kv_context=None, kv_untrimmable=True)
+        kv_todo, shorts = [], {}
+    # A second-context point is compared with its twin at the first context, so the twin is timed
+    # beside it: again, where it was timed in an earlier session (a resumed sweep, a file made
+    # before second contexts were timed). Both run the same ids.
+    retimed = {(kind, b, kv_tokens) for b in kv_todo for kind in kinds} - set(todo)
+    todo += sorted(retimed) + [("kv_points", b, kv_tokens) for b in kv_todo]
     caches = batch_caches(cache_for(big), {b for k, b, _ in todo if k in kinds}) if todo else {}
+    twin_ids = {b: mx.random.randint(0, vocab, (b, kv_tokens)) for b in kv_todo}
 
     def point(kind: str, b: int, t: int) -> timing.Point:
         if kind == "points":
-            return forward_point(built.model, caches[b], b, t, vocab, control)
+            return forward_point(built.model, caches[b], b, t, vocab, control, twin_ids.get(b) if t == kv_tokens else None)
         if kind == "kv_points":
-            return forward_point(built.model, shorts[b], b, t, vocab, control)
+            return forward_point(built.model, shorts[b], b, t, vocab, control, twin_ids[b])
         return pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
 
     points = {key: point(*key) for key in todo}
 
     def done(key, m):
         kind, batch, t = key
-        entry[kind][point_key(batch, t)] = recorded(kind, t, m, cfg.budget,
-                                                    control.stats[(batch, t)] if control else {})
+        if kind == "kv_points":  # what its routing ran is the twin's, recorded there
+            entry["kv_points"][str(short)][point_key(batch, t)] = recorded(kind, t, m, cfg.budget, {})
+        else:
+            entry[kind][point_key(batch, t)] = recorded(kind, t, m, cfg.budget,
+                                                        control.stats[(batch, t)] if control else {})
         save()
-        if kind in kinds and all(point_key(batch, t) in entry[k] for k in kinds):
+        if kind in kinds and key not in retimed and all(point_key(batch, t) in entry[k] for k in kinds):
             progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
 
     # A shape's timings are compared with each other (the graph-build time pipelining hides; the
@@ -403,15 +416,53 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
 
 
 def kv_context_of(cfg: SweepConfig, entry: dict) -> int | None:
-    """The second context ``entry``'s one-token points are timed at, or None (none asked for, or
-    a prefilled cache found not to trim back, e.g. a sliding window's). Points an entry holds at
-    another second context are dropped: a resumed sweep times them at the one asked for now."""
-    short = None if entry.get("kv_untrimmable") else cfg.second_context
+    """The second context to time ``entry``'s one-token points at now (None: none), which becomes
+    the one the fit uses. ``entry["kv_points"]`` holds points per second context; those of an
+    earlier one are kept but no longer used (their twins at the first context are timed again)."""
+    short = cfg.second_context
+    stored = entry.setdefault("kv_points", {})
+    if short is None or entry.get("kv_untrimmable"):
+        return None
     if entry.get("kv_context") != short:
-        entry["kv_points"] = {}
-    entry["kv_context"] = short
-    entry.setdefault("kv_points", {})
+        stored[str(short)] = {}
+        entry["kv_context"] = short
+    stored.setdefault(str(short), {})
     return short
+
+
+def kv_in_use(entry: dict) -> dict:
+    """The second-context points of ``entry`` the fit uses: those timed beside its current grid."""
+    context = entry.get("kv_context")
+    return entry.get("kv_points", {}).get(str(context), {}) if context else {}
+
+
+def can_shorten(model, context: int) -> bool:
+    """Whether every layer's cache, prefilled to ``context``, can be trimmed back to a shorter one:
+    plain, quantized and concatenating KV caches can; a sliding window filled to its size, a
+    chunked cache past its chunk and a state-space layer's cache cannot."""
+    def trims(cache) -> bool:
+        if isinstance(cache, CacheList):
+            return all(trims(c) for c in cache.caches)
+        if isinstance(cache, RotatingKVCache):
+            return context < cache.max_size
+        return isinstance(cache, (KVCache, QuantizedKVCache, ConcatenateKVCache))
+
+    return all(trims(c) for c in make_prompt_cache(model))
+
+
+UNTRIMMABLE = ("{model}'s KV cache cannot be trimmed back to a shorter context (sliding-window, chunked "
+               "or state-space layers), so its one-token points are timed at one context only")
+
+
+def timed_config(source: models.ModelSource, cfg: SweepConfig) -> tuple[SweepConfig, str | None]:
+    """``cfg`` as it can be timed: without a second context where the model's cache cannot trim
+    back (decided from the whole model, so every rank of a sharded sweep decides alike), and why."""
+    if cfg.second_context is None:
+        return cfg, None
+    whole = models.build(source, cfg.dtype, cfg.bits, seed=cfg.seed).model  # lazy: nothing allocated
+    if can_shorten(whole, cfg.context):
+        return cfg, None
+    return replace(cfg, kv_context=0), UNTRIMMABLE.format(model=source.name)
 
 
 def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
@@ -467,6 +518,7 @@ def run_sweep(
     ``build`` builds the target (the drafter is always built whole)."""
     rng = random.Random(cfg.seed)
     source = validate(cfg)
+    cfg, one_context = timed_config(source, cfg)
     mode = parse_routing(cfg.routing)
     plan = plan_layers(source, cfg, available_bytes, build)
     grid = len(cfg.batches) * len(cfg.tokens)
@@ -478,6 +530,8 @@ def run_sweep(
         footprint_full = footprint_full or build(source, cfg.dtype, cfg.bits).footprint
         entry = store.entry("sweeps", entry_key(built, cfg.context, mode.key, cfg.gather),
                             entry_header(built, cfg.context, mode.label, cfg.gather))
+        if one_context:
+            entry["kv_untrimmable"] = True
         need = estimate(built, cfg)
         built.materialise()
         if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, check_drift=True):
@@ -605,7 +659,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
     wanted = {point_key(b, t) for b in cfg.batches for t in cfg.tokens}
     points = {k: v for k, v in full_depth(entries, plan).items() if k in wanted}
     pipelined = full_depth(entries, plan, "pipelined_points")
-    kv_points = full_depth(entries, plan, "kv_points")
+    kv_points = full_depth([{**e, "kv_in_use": kv_in_use(e)} for e in entries], plan, "kv_in_use")
     extrapolated = len(plan) > 1
     warnings = []
     for entry in entries:
@@ -619,6 +673,9 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
                 "start and end (thermal throttling or background load); rerun plugged in with "
                 "other apps closed"
             )
+    if any(e.get("kv_untrimmable") for e in entries):
+        warnings.append(UNTRIMMABLE.format(model=source.name) + ": the fit cannot tell the KV term from "
+                        "costs per sequence")
     return {
         "model": source.name,
         "points": points_list(points, pipelined),
