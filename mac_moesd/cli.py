@@ -423,7 +423,7 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 
     RESULTS is a results.json or the folder holding it.
     """
-    from mac_moesd.results import WriterLock
+    from mac_moesd.results import ResultsBusy, WriterLock
 
     if alpha and any(a >= 1 for a in alpha):
         raise click.BadParameter(f"{max(alpha)} is not in (0, 1)", param_hint="'--alpha'")
@@ -432,8 +432,11 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
     if path.exists():
         try:  # before reading: the fit is written back into what was read
             lock = WriterLock.take(path)
-        except MacMoesdError as err:  # another process writes it, or its folder is read-only
-            busy = err
+        except ResultsBusy as err:
+            busy = (f"another mac-moesd process ({err.holder or 'unknown'}) is writing {path}; rerun "
+                    "`mac-moesd fit` when it has finished")
+        except MacMoesdError as err:  # its folder is read-only
+            busy = str(err)
     try:
         _fit_into(path, busy, model, alpha, verify_tokens, as_json)
     finally:
@@ -457,7 +460,7 @@ def _fit_into(path, busy, model, alpha, verify_tokens, as_json) -> None:
         data.setdefault("fits", {})[document["model"]] = document
         write_atomic(path, data)
     else:
-        warn(f"the fit was not saved: {busy}; rerun `mac-moesd fit` when it has finished")
+        warn(f"the fit was not saved: {busy}")
     emit(document, as_json, render_fit)
 
 

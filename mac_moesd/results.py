@@ -60,7 +60,13 @@ def load_results(path: Path) -> dict:
 
 
 class ResultsBusy(MacMoesdError):
-    """Another process holds the results file's writer's lock."""
+    """Another process holds the results file's writer's lock; ``holder`` says which, if known."""
+
+    def __init__(self, path: Path, holder: str):
+        self.holder = holder
+        super().__init__(f"{path} is being written by another mac-moesd process"
+                         + (f" ({holder})" if holder else "")
+                         + "; wait for it to finish, or write elsewhere with --out")
 
 
 class WriterLock:
@@ -85,14 +91,14 @@ class WriterLock:
             raise MacMoesdError(f"cannot write beside {path}: {err.strerror or err}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             holder = os.read(fd, 4096).decode(errors="replace").strip()
             os.close(fd)
-            raise ResultsBusy(
-                f"{path} is being written by another mac-moesd process"
-                + (f" ({holder})" if holder else "")
-                + "; wait for it to finish, or write elsewhere with --out"
-            ) from None
+            raise ResultsBusy(path, holder) from None
+        except OSError:  # a filesystem without locks (some network mounts): written unlocked
+            os.close(fd)
+            cls._held[key] = [-1, 1]
+            return key
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()}: {' '.join(sys.argv[1:]) or sys.argv[0]}".encode())
         cls._held[key] = [fd, 1]
@@ -106,7 +112,8 @@ class WriterLock:
         held[1] -= 1
         if held[1] == 0:
             del cls._held[key]
-            os.close(held[0])  # closing the descriptor lets the flock go
+            if held[0] >= 0:
+                os.close(held[0])  # closing the descriptor lets the flock go
 
 
 def ensure_writable(folder: Path) -> None:
