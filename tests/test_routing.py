@@ -52,13 +52,13 @@ def test_fit_recovers_a_known_correlation():
     E, K, c = 64, 4, 0.6
     windows = [routing.Window(1, t, float(theory.correlated_activated_experts(t, E, K, c)), 0.0, 1)
                for t in (1, 2, 4, 8, 16)]
-    assert routing.fit_correlation(windows, E, K) == pytest.approx(c, abs=1e-4)
+    assert routing.analyse_windows(windows, E, K, 0.95)["correlation"] == pytest.approx(c, abs=1e-4)
 
 
 def test_fit_on_cohere_window_gives_the_anchored_c():
     # Cohere: 128 experts top-8, 20.36 unique in a 4-token window (29.1 uniform). The anchored
     # form gives c ~ 0.56; the earlier N(c*t) form gave 0.67 on the same window.
-    c = routing.fit_correlation([routing.Window(1, 4, 20.36, 0.0, 1)], 128, 8)
+    c = routing.analyse_windows([routing.Window(1, 4, 20.36, 0.0, 1)], 128, 8, 0.95)["correlation"]
     assert c == pytest.approx(0.561, abs=0.005)
     assert theory.correlated_activated_experts(1, 128, 8, c) == pytest.approx(8.0)
 

@@ -24,7 +24,7 @@ from scipy.optimize import least_squares
 
 from mac_moesd.analysis import theory
 
-__all__ = ["Routing", "fit_anchored", "fit_routing"]
+__all__ = ["Routing", "fit_routing"]
 
 MIN_CORRELATION = 1e-3
 
@@ -66,21 +66,6 @@ class Routing:
             return cls()
         return cls(data["correlation"], data["batch_correlation"],
                    {(int(b), int(t)): float(n) for b, t, n in data.get("counts", [])})
-
-
-def fit_anchored(n: ArrayLike, measured: ArrayLike, experts: int, top_k: int) -> float:
-    """c in N(1 + c*(n - 1)) by least squares to counted unique experts of n-token windows; 1
-    (uniform) when no window has more than one token. Bounded to (0, 1]."""
-    n, measured = np.asarray(n, dtype=float), np.asarray(measured, dtype=float)
-    informative = n > 1
-    if not informative.any():
-        return 1.0
-    n, measured = n[informative], measured[informative]
-
-    def residual(c):
-        return theory.activated_experts(theory.correlated_tokens(n, c[0]), experts, top_k) - measured
-
-    return float(least_squares(residual, x0=[0.9], bounds=([MIN_CORRELATION], [1.0])).x[0])
 
 
 def fit_routing(counts: dict[tuple[int, int], float], experts: int, top_k: int) -> Routing:

@@ -29,7 +29,7 @@ from mac_moesd.measure import routing_trace
 from mac_moesd.measure.gather import check_sortable, sorted_switch_call
 
 __all__ = ["SwitchControl", "analyse_windows", "capture_routing", "controlled_switches", "count_windows",
-           "fit_correlation", "reanalyse", "routing_document", "token_source"]
+           "reanalyse", "routing_document", "token_source"]
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 _controlled_classes: dict[tuple[type, bool], type] = {}
@@ -220,16 +220,6 @@ def count_windows(indices: np.ndarray, batch: int, tokens: int) -> Window:
                   len(counts) // layers)
 
 
-def fit_correlation(windows: list[Window], experts: int, top_k: int) -> float:
-    """c in the anchored form N(1 + c*(n - 1)), fitted by least squares to measured unique counts.
-
-    n counts the window's B*t tokens; one token always hits exactly K experts, which the form
-    keeps for every c. c is bounded to (0, 1]: 1 is uniform routing.
-    """
-    return expert_reads.fit_anchored([w.batch * w.tokens for w in windows],
-                                     [w.measured_unique for w in windows], experts, top_k)
-
-
 def routing_document(
     indices: np.ndarray,
     experts: int,
@@ -249,10 +239,10 @@ def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
     stored in a results file)."""
     rho = theory.sparsity(experts, top_k)
     batches = sorted({w.batch for w in windows})
-    single = [w for w in windows if w.batch == 1]
-    across = [w for w in windows if w.tokens == 1]
-    correlation = fit_correlation(single, experts, top_k)
-    batch_correlation = fit_correlation(across, experts, top_k)
+    # The same estimator the time-model fit uses on a sweep's counts: both correlations jointly.
+    form = expert_reads.fit_routing({(w.batch, w.tokens): w.measured_unique for w in windows},
+                                    experts, top_k).form_only()
+    correlation, batch_correlation = form.correlation, form.batch_correlation
     rows = []
     for w in windows:
         n = w.batch * w.tokens
@@ -271,7 +261,6 @@ def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
             if (b, g + 1) in measured:
                 active, how = measured[(b, g + 1)], "measured"
             else:
-                form = expert_reads.Routing(correlation, batch_correlation)
                 active, how = float(form.unique(b, g + 1, experts, top_k)), "predicted"
             saturation.append({"batch": b, "gamma": g, "verify_tokens": b * (g + 1), "unique": active,
                                "source": how, "saturated": active >= tau * experts})
