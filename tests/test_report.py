@@ -126,7 +126,7 @@ DEFAULT_PLAN = runner.default_plan
 
 def tiny_plan():
     plan = DEFAULT_PLAN("cpu", quick=True)
-    budget = timing.Budget(warmup=1, min_repeats=3, max_repeats=3, seconds_per_point=0.01, per_visit=1,
+    budget = timing.Budget(warmup=0, min_repeats=3, max_repeats=3, seconds_per_point=0.01, per_visit=1,
                            decode_chain=8)
     from dataclasses import replace
 
