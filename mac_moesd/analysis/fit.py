@@ -210,15 +210,18 @@ class FittedModel:
     one_row: OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
     k_seq: float = 0.0  # seconds per sequence that do not grow with context (theory.kv_time)
 
-    def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True) -> np.ndarray:
+    def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True,
+               active=None) -> np.ndarray:
         """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
         sharded forward's communication C(n) (``comm=False``: a free link); with ``pipelined``,
         less the graph-building time a pipelined loop hides. The one-row forward (n = 1) is the
-        sweep's own timing where it has one, carried from its context to L by the KV term."""
+        sweep's own timing where it has one, carried from its context to L by the KV term.
+        ``active``: the unique experts at those points, where the caller has them already."""
         batch = np.asarray(batch, dtype=float)
         n = batch * np.asarray(tokens, dtype=float)
         link = self.comm.time(n) if comm and self.comm is not None else 0.0
-        active = self.routing.unique(batch, tokens, self.experts, self.top_k)
+        if active is None:
+            active = self.routing.unique(batch, tokens, self.experts, self.top_k)
         kv = theory.kv_time(batch, context, self.k_kv, self.k_seq)
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
                                         self.sort_threshold, active) + kv + link)
@@ -512,14 +515,14 @@ class _Solved:
     cost: float
 
 
-def _target_time(inputs: FitInputs, loads: str, solved, batch, tokens, context=None):
-    """The fitted T_T at the sweep's points: the routing's own unique experts, the sweep's context
-    (or the points' own) and a sharded sweep's measured communication (``FittedModel.target``,
-    synchronous)."""
+def _target_time(inputs: FitInputs, loads: str, solved, batch, tokens, context=None, active=None):
+    """The fitted T_T at the sweep's points: the routing's own unique experts (``active``, where
+    already counted up), the sweep's context (or the points' own) and a sharded sweep's measured
+    communication (``FittedModel.target``, synchronous)."""
     fitted = FittedModel(solved.params, solved.k_kv, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads,
                          inputs.sort_threshold, inputs.drafted, comm=inputs.comm, routing=inputs.routing,
                          k_seq=solved.k_seq)
-    return fitted.target(batch, tokens, inputs.context if context is None else context)
+    return fitted.target(batch, tokens, inputs.context if context is None else context, active=active)
 
 
 def _rows(inputs: FitInputs, loads: str, solved, points) -> list[dict]:
@@ -548,6 +551,7 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
     R = inputs.ridge_tokens
     rows = [(b, t, inputs.context, s) for b, t, s in points] + list(inputs.kv_points)
     tb, tt, tl, ty = (np.array(column, dtype=float) for column in zip(*rows))
+    active = inputs.routing.unique(tb, tt, inputs.experts, inputs.top_k)  # fixed: counted once
     db = np.array([b for b, _ in inputs.draft], dtype=float)
     dy = np.array([s for _, s in inputs.draft])
     rb = np.array([b for b, _ in inputs.reject], dtype=float)
@@ -565,7 +569,7 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
         fitted = solved(full_vector(x))
         m = fitted.params
         return np.concatenate([
-            _target_time(inputs, loads, fitted, tb, tt, tl) / ty - 1,
+            _target_time(inputs, loads, fitted, tb, tt, tl, active) / ty - 1,
             m.draft_time(db, R) / dy - 1,
             m.reject_time(rb) / ry - 1,
         ])
