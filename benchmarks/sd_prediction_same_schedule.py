@@ -77,14 +77,20 @@ def decode_points(target, draft, context: int, new_tokens: int, alpha: float, se
 
 def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | None = None,
           short: dict | None = None, second_context: int | None = None) -> dict:
-    """A results entry as the sweep writes it."""
-    out = {**sweep.entry_header(built, context), "points": {}, "pipelined_points": {}, "kv_points": {},
-           "kv_context": second_context if short else None}
+    """A results entry as the sweep writes it; the second-context points' twins are the grid's own
+    points, timed in the same schedule."""
+    out = {**sweep.entry_header(built, context), "points": {}, "pipelined_points": {}}
     if role:
         out["role"] = role
-    for kind, measured in (("points", sync), ("pipelined_points", pipe), ("kv_points", short or {})):
+    for kind, measured in (("points", sync), ("pipelined_points", pipe)):
         for (b, t), m in measured.items():
             out[kind][sweep.point_key(b, t)] = sweep.recorded(kind, t, m, CHAINS, stats.get((b, t), {}))
+    if short:
+        keys = [sweep.point_key(b, t) for b, t in short]
+        out.update(kv_context=second_context,
+                   kv_points={str(second_context): {sweep.point_key(b, t): sweep.recorded("points", t, m, CHAINS, {})
+                                                    for (b, t), m in short.items()}},
+                   kv_twins={str(second_context): {k: out["points"][k] for k in keys}})
     return out
 
 

@@ -370,38 +370,39 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
         for t in tokens:
             if all(point_key(b, t) in entry[kind] for kind in kinds):
                 progress.advance(f"{built.source.name} layers={built.layers} B={b} t={t} (kept)")
-    kv_todo = [b for b in cfg.batches if short is not None and point_key(b, kv_tokens) not in kv_in_use(entry)]
+    kv_todo = [b for b in cfg.batches if short is not None
+               and not all(point_key(b, kv_tokens) in entry[k][str(short)] for k in KV_KINDS)]
     # Short copies first: each is made from the prefill's rows before the batches' own caches exist.
     shorts = {b: cache_for(big).shortened(b, short) for b in kv_todo}
     if any(c is None for c in shorts.values()):  # a cache ``can_shorten`` misjudged: one context only
         entry.update(kv_context=None, kv_untrimmable=True)
         kv_todo, shorts = [], {}
-    # A second-context point is compared with its twin at the first context, so the twin is timed
-    # beside it: again, where it was timed in an earlier session (a resumed sweep, a file made
-    # before second contexts were timed). Both run the same ids.
-    retimed = {(kind, b, kv_tokens) for b in kv_todo for kind in kinds} - set(todo)
-    todo += sorted(retimed) + [("kv_points", b, kv_tokens) for b in kv_todo]
-    caches = batch_caches(cache_for(big), {b for k, b, _ in todo if k in kinds}) if todo else {}
+    # A second-context point is compared with its twin at the first context: the two are timed
+    # together, fed the same ids, and the twin is timed again for it (the grid's own point may be
+    # from an earlier session: a resumed sweep, a file made before second contexts were timed).
+    todo += [(kind, b, kv_tokens) for b in kv_todo for kind in KV_KINDS]
+    caches = batch_caches(cache_for(big), {b for k, b, _ in todo if k != "kv_points"}) if todo else {}
     twin_ids = {b: mx.random.randint(0, vocab, (b, kv_tokens)) for b in kv_todo}
 
     def point(kind: str, b: int, t: int) -> timing.Point:
         if kind == "points":
-            return forward_point(built.model, caches[b], b, t, vocab, control, twin_ids.get(b) if t == kv_tokens else None)
-        if kind == "kv_points":
-            return forward_point(built.model, shorts[b], b, t, vocab, control, twin_ids[b])
+            return forward_point(built.model, caches[b], b, t, vocab, control)
+        if kind in KV_KINDS:
+            cache = shorts[b] if kind == "kv_points" else caches[b]
+            return forward_point(built.model, cache, b, t, vocab, control, twin_ids[b])
         return pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
 
     points = {key: point(*key) for key in todo}
 
     def done(key, m):
         kind, batch, t = key
-        if kind == "kv_points":  # what its routing ran is the twin's, recorded there
-            entry["kv_points"][str(short)][point_key(batch, t)] = recorded(kind, t, m, cfg.budget, {})
+        if kind in KV_KINDS:  # what its routing ran is the grid point's, recorded there
+            entry[kind][str(short)][point_key(batch, t)] = recorded(kind, t, m, cfg.budget, {})
         else:
             entry[kind][point_key(batch, t)] = recorded(kind, t, m, cfg.budget,
                                                         control.stats[(batch, t)] if control else {})
         save()
-        if kind in kinds and key not in retimed and all(point_key(batch, t) in entry[k] for k in kinds):
+        if kind in kinds and all(point_key(batch, t) in entry[k] for k in kinds):
             progress.advance(f"{built.source.name} layers={built.layers} B={batch} t={t}")
 
     # A shape's timings are compared with each other (the graph-build time pipelining hides; the
@@ -415,25 +416,39 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     return ran
 
 
+KV_KINDS = ("kv_points", "kv_twins")  # a second-context point, and its twin timed beside it
+
+
 def kv_context_of(cfg: SweepConfig, entry: dict) -> int | None:
     """The second context to time ``entry``'s one-token points at now (None: none), which becomes
-    the one the fit uses. ``entry["kv_points"]`` holds points per second context; those of an
-    earlier one are kept but no longer used (their twins at the first context are timed again)."""
+    the one the fit uses. ``entry["kv_points"]`` and ``entry["kv_twins"]`` hold points per second
+    context; those of an earlier one are kept but no longer used."""
     short = cfg.second_context
-    stored = entry.setdefault("kv_points", {})
+    for kind in KV_KINDS:
+        entry.setdefault(kind, {})
     if short is None or entry.get("kv_untrimmable"):
         return None
-    if entry.get("kv_context") != short:
-        stored[str(short)] = {}
-        entry["kv_context"] = short
-    stored.setdefault(str(short), {})
+    for kind in KV_KINDS:
+        if entry.get("kv_context") != short or str(short) not in entry[kind]:
+            entry[kind][str(short)] = {}
+    entry["kv_context"] = short
     return short
 
 
 def kv_in_use(entry: dict) -> dict:
-    """The second-context points of ``entry`` the fit uses: those timed beside its current grid."""
+    """The second-context points the fit uses, each scaled by its grid point over the twin timed
+    beside it, so that what the machine did between the grid's session and theirs cancels."""
     context = entry.get("kv_context")
-    return entry.get("kv_points", {}).get(str(context), {}) if context else {}
+    if not context:
+        return {}
+    short = entry.get("kv_points", {}).get(str(context), {})
+    twins = entry.get("kv_twins", {}).get(str(context), {})
+    out = {}
+    for key, point in short.items():
+        if key in twins and key in entry.get("points", {}):
+            scale = entry["points"][key]["median_s"] / twins[key]["median_s"]
+            out[key] = {**point, "median_s": point["median_s"] * scale, "scaled_by_twin": scale}
+    return out
 
 
 def can_shorten(model, context: int) -> bool:
