@@ -40,6 +40,20 @@ def full_depth_points(entries: list[dict], kind: str = "points") -> tuple[dict, 
                        small["layers"], small["layers_full"]), True
 
 
+def second_context_points(entries: list[dict]) -> tuple[int | None, dict]:
+    """The second context and the one-token points timed there beside the grid (each scaled by
+    its twin, ``sweep.kv_in_use``), at full depth; (None, {}) where the sweep timed none or its
+    slices were timed at different second contexts."""
+    from mac_moesd.measure.sweep import kv_in_use
+
+    used = depth_entries(entries)
+    contexts = {e.get("kv_context") for e in used}
+    if len(contexts) != 1 or None in contexts:
+        return None, {}
+    points, _ = full_depth_points([{**e, "kv_in_use": kv_in_use(e)} for e in used], "kv_in_use")
+    return contexts.pop(), points
+
+
 def scaled_footprint(entry: dict) -> dict:
     """The footprint at full depth: per-layer bytes and parameters scale with the layer count."""
     fp = dict(entry["footprint"])

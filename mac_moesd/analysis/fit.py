@@ -42,7 +42,7 @@ from scipy.optimize import least_squares
 
 from mac_moesd.machine import hardware
 from mac_moesd.analysis import cluster, expert_reads, pipelining, theory
-from mac_moesd.analysis.digest import Digest, depth_entries, full_depth_points
+from mac_moesd.analysis.digest import Digest, depth_entries, full_depth_points, second_context_points
 from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -382,14 +382,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
 def _second_context(entries: list[dict]) -> tuple[tuple[int, int, int, float], ...]:
     """The one-token points timed at the sweep's second context beside its grid, at full depth;
     none where the sweep timed none (or its slices were timed at different second contexts)."""
-    from mac_moesd.measure.sweep import kv_in_use
-
-    used = depth_entries(entries)
-    contexts = {e.get("kv_context") for e in used}
-    if len(contexts) != 1 or None in contexts:
-        return ()
-    (context,) = contexts
-    points, _ = full_depth_points([{**e, "kv_in_use": kv_in_use(e)} for e in used], "kv_in_use")
+    context, points = second_context_points(entries)
     return tuple((b, t, context, s) for b, t, s in _as_pairs(points))
 
 

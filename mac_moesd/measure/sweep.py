@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import (CacheList, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache,
                                   can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache)
 
+from mac_moesd.analysis.digest import second_context_points
 from mac_moesd.machine import memory
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import routing, timing
@@ -674,7 +675,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
     wanted = {point_key(b, t) for b in cfg.batches for t in cfg.tokens}
     points = {k: v for k, v in full_depth(entries, plan).items() if k in wanted}
     pipelined = full_depth(entries, plan, "pipelined_points")
-    kv_points = full_depth([{**e, "kv_in_use": kv_in_use(e)} for e in entries], plan, "kv_in_use")
+    kv_context, kv_points = second_context_points(entries)
     extrapolated = len(plan) > 1
     warnings = []
     for entry in entries:
@@ -695,7 +696,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
         "model": source.name,
         "points": points_list(points, pipelined),
         "context": cfg.context,
-        "kv_points": {"context": entries[0]["kv_context"], "points": points_list(kv_points)} if kv_points else None,
+        "kv_points": {"context": kv_context, "points": points_list(kv_points)} if kv_points else None,
         "layers_measured": plan,
         "layers_full": entries[0]["layers_full"],
         "extrapolated": extrapolated,
