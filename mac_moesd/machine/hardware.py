@@ -17,7 +17,7 @@ from typing import Iterator
 from mac_moesd.errors import MacMoesdError
 
 __all__ = ["APPLE_CHIPS", "ChipSpec", "Machine", "chip_slug", "detect", "lookup_spec", "measuring_stage",
-           "native_python_problem", "power_warnings", "require_native_python"]
+           "native_python_problem", "power_warnings", "require_native_python", "wired_limit_unavailable"]
 
 
 @dataclass(frozen=True)
@@ -384,18 +384,45 @@ def require_native_python() -> None:
         raise MacMoesdError(problem)
 
 
+# MLX keeps memory wired through Metal residency sets (MTLResidencySet), which macOS has from 15.0
+# on; before that ``mx.set_wired_limit`` is accepted and does nothing (its docstring says so).
+WIRED_FROM_MACOS = (15, 0)
+
+
+def wired_limit_unavailable(backend: str, mac_version: str) -> str | None:
+    """Why a wired limit would not take effect here (``mac_version`` as ``platform.mac_ver()[0]``
+    gives it, "" off macOS), or None where it does."""
+    if backend != "metal":
+        return f"no wired memory on the {backend} backend (Metal only)"
+    parts = [int(p) for p in re.findall(r"\d+", mac_version)[:2]]
+    if not parts:
+        return "the macOS version could not be read, so the wired limit was left alone"
+    if tuple(parts + [0])[:2] < WIRED_FROM_MACOS:
+        return (f"macOS {mac_version} has no Metal residency sets (macOS 15 and later), "
+                "so MLX cannot wire memory here")
+    return None
+
+
 @contextlib.contextmanager
 def measuring_stage() -> Iterator[dict]:
     """Device state for one measuring stage, restored in ``finally``.
 
-    On Metal the wired limit is raised to the recommended working set for the stage, as mlx-lm
-    wires it around generation: ``mlx_lm.generate.wired_limit`` is reused (with no model, so its
-    near-limit warning, printed on stdout, never fires) and restores the previous limit. The
-    yielded dict records the limit set (None off Metal) for the stage's results.
+    Where a wired limit takes effect (Metal on macOS 15 or later) it is raised to the recommended
+    working set for the stage, as mlx-lm's ``wired_limit`` does around generation, and the
+    previous limit is restored after the stage's work is synchronised. The yielded dict is the
+    stage's record: the limit set, or None with ``wired_limit_note`` saying why none was.
     """
     import mlx.core as mx
-    from mlx_lm.generate import wired_limit
 
-    limit = mx.device_info().get("max_recommended_working_set_size") if mlx_backend() == "metal" else None
-    with wired_limit([]):
+    why = wired_limit_unavailable(mlx_backend(), platform.mac_ver()[0])
+    limit = None if why else mx.device_info().get("max_recommended_working_set_size")
+    if limit is None:
+        yield {"wired_limit_bytes": None,
+               "wired_limit_note": why or "Metal reports no recommended working set"}
+        return
+    previous = mx.set_wired_limit(limit)
+    try:
         yield {"wired_limit_bytes": limit}
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(previous)
