@@ -26,8 +26,40 @@ def test_vm_stat_parser_on_a_recorded_sample():
     assert stats["free"] == 12345 and stats["inactive"] == 137591
     assert stats["purgeable"] == 4306 and stats["speculative"] == 2117
     assert stats["wired_down"] == 79213 and "Translation faults" not in stats
-    assert memory.vm_stat_free_bytes(text) == (12345 + 137591 + 4306 + 2117) * 16384
+    assert memory.vm_stat_free_bytes(text) == (12345 + 137591 + 2117) * 16384  # free, inactive, speculative
     assert memory.vm_stat_free_bytes("no header here") is None
+
+
+# Hand-written in the format of vm_stat's snapshot (XNU system_cmds vm_stat.c: "%-35s %16llu.",
+# unchanged from macOS 13 to 15), with page counts chosen by hand for an 8 GB M1 (13), a 16 GB
+# M2 Pro with a large purgeable browser cache (14) and a 64 GB M3 Max (15). Expected bytes are
+# (free + inactive + speculative) x 16384, worked by hand; purgeable pages are already resident
+# in the active and inactive queues, so they add nothing.
+VM_STAT_HANDWRITTEN = {
+    # 9876 + 175000 + 3210 = 188086 pages
+    "vm_stat_macos13_m1_8gb_handwritten.txt": 3_081_601_024,
+    # 20480 + 350000 + 10240 = 380720 pages (purgeable 180000 pages = 2.75 GiB not added)
+    "vm_stat_macos14_m2pro_16gb_handwritten.txt": 6_237_716_480,
+    # 1000000 + 900000 + 50000 = 1950000 pages
+    "vm_stat_macos15_m3max_64gb_handwritten.txt": 31_948_800_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(VM_STAT_HANDWRITTEN))
+def test_vm_stat_usable_memory_counts_no_page_twice(name):
+    assert memory.vm_stat_free_bytes((DATA / name).read_text()) == VM_STAT_HANDWRITTEN[name]
+
+
+def test_usable_on_metal_reads_vm_stat_without_purgeable(monkeypatch):
+    """The Metal path end to end, faked: 16 GB M2 Pro (ceiling 2/3 of RAM), vm_stat of macOS 14."""
+    text = (DATA / "vm_stat_macos14_m2pro_16gb_handwritten.txt").read_text()
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(hardware, "mlx_device_info", lambda: {"max_recommended_working_set_size": 16 * GiB * 2 // 3})
+    monkeypatch.setattr(hardware, "run_tool", lambda argv: text)
+    monkeypatch.setattr(memory, "mlx_held_bytes", lambda: 0)
+    u = memory.usable()
+    assert u.free_bytes == 6_237_716_480  # not 6_237_716_480 + 180000 * 16384
+    assert u.usable_bytes == 6_237_716_480 - int(6_237_716_480 * memory.MARGIN)
 
 
 def test_usable_is_the_smaller_of_ceiling_and_free_less_margin_then_capped():

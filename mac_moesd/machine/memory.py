@@ -61,11 +61,16 @@ def parse_vm_stat(text: str) -> dict[str, int]:
 
 
 def vm_stat_free_bytes(text: str) -> int | None:
-    """Memory macOS would hand out now: free, inactive, purgeable and speculative pages."""
+    """Memory macOS would hand out now: free, speculative and inactive pages.
+
+    vm_stat prints "Pages free" as the free count less the speculative pages, so the two add up
+    without overlap. Purgeable pages are not added: they are resident pages of purgeable objects
+    and already sit in the active and inactive queues (XNU's purgeable count tallies pages across
+    those queues; it is not a queue of its own), so adding them would count them twice."""
     stats = parse_vm_stat(text)
     if "page_size" not in stats or "free" not in stats:
         return None
-    pages = sum(stats.get(k, 0) for k in ("free", "inactive", "purgeable", "speculative"))
+    pages = sum(stats.get(k, 0) for k in ("free", "speculative", "inactive"))
     return pages * stats["page_size"]
 
 
