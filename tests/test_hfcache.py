@@ -32,6 +32,35 @@ def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
     assert hfcache.cache_root() == tmp_path / "hub"
 
 
+CACHE_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def test_cache_root_in_huggingface_hubs_order(tmp_path, monkeypatch):
+    """huggingface_hub (constants.py): HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else
+    HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    for name in CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert hfcache.cache_root() == tmp_path / "user" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hfcache.cache_root() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hfcache.cache_root() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", "~/legacy")
+    assert hfcache.cache_root() == tmp_path / "user" / "legacy"
+    monkeypatch.setenv("HF_HUB_CACHE", "$HOME/hub")
+    assert hfcache.cache_root() == tmp_path / "user" / "hub"
+
+
+def test_a_model_under_xdg_cache_home_is_found(tmp_path, monkeypatch):
+    for name in CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    snap = snapshot(tmp_path / "huggingface" / "hub", "org/moe")
+    assert hfcache.cached_model("org/moe") == snap
+    assert models.resolve("org/moe").weights_dir == snap
+
+
 def test_a_complete_snapshot_is_found_through_hf_home(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path))

@@ -2,8 +2,11 @@
 
 The hub's cache layout (huggingface_hub's ``file_download.py``): ``<root>/models--<org>--<name>/``
 holds ``snapshots/<revision>/`` (the files) and ``refs/main`` (the revision ``main`` points to).
-The root is ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``; it is read
-at each call (huggingface_hub reads it once, at import), so a test can point it anywhere.
+The root comes from the same variables, in the same order, as huggingface_hub's ``constants.py``:
+``$HF_HUB_CACHE``, ``$HUGGINGFACE_HUB_CACHE`` (its older name), ``$HF_HOME/hub``,
+``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``, each with ``~`` and
+``$VARS`` expanded. It is read at each call (huggingface_hub reads it once, at import), so a test
+can point it anywhere.
 """
 
 from __future__ import annotations
@@ -15,12 +18,18 @@ from pathlib import Path
 __all__ = ["cache_root", "cached_model"]
 
 
+def _named(variable: str) -> Path | None:
+    value = os.environ.get(variable)  # set but empty counts as unset
+    return Path(os.path.expandvars(value)).expanduser() if value else None
+
+
 def cache_root() -> Path:
     """The hub cache folder the environment names now."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".cache" / "huggingface") / "hub"
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if (root := _named(variable)) is not None:
+            return root
+    home = _named("HF_HOME") or (_named("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return home / "hub"
 
 
 def _complete(snapshot: Path, need_weights: bool) -> bool:
