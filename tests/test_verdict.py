@@ -16,12 +16,41 @@ def fit_doc():
     return json.loads(FIXTURE.read_text())["fits"]["tiny-moe"]
 
 
-def test_round_cost_reproduces_the_fitted_speedup(fit_doc):
+def test_round_cost_worked_by_hand():
+    # pairs loads, K = 2, G = 1 (s = 1): T(n) = bias + k2*2n, so T(1) = 0.95 + 0.05 = 1.0 ms and
+    # T(5) = 0.95 + 0.25 = 1.2 ms; T_D = 0.1 ms = 0.1 T_T(1); no rejection, nothing pipelined.
+    # alpha 0.8, gamma 4: Omega = (1 - 0.8^5) / 0.2 = 3.3616; round = 4*0.1 + 1.2 = 1.6 ms;
+    # S = 3.3616 * 1.0 / 1.6 = 2.101.
+    model = FittedModel.from_document(_fit(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3,
+                                           draft_k=0.0, chosen="pairs"))
+    cost = verdict.round_cost(model, 1, 4, 64)
+    assert (cost.plain, cost.verify, cost.draft, cost.reject) == pytest.approx((1.0e-3, 1.2e-3, 0.4e-3, 0.0))
+    assert cost.speedup(3.3616) == pytest.approx(2.101)
+    assert float(model.speedup(1, 4, 0.8, 64)) == pytest.approx(2.101)
+
+
+def test_round_cost_prices_forwards_as_the_loops_run_them():
+    # The model above with pipelining hiding 0.1 ms of each target forward and 0.04 ms of each
+    # drafter step. Plain step 1.0 - 0.1 = 0.9 ms; verify 1.2 - 0.1 = 1.1 ms; the first draft
+    # step of a round pays its graph build, the other three hide 0.04 ms: 4*0.1 - 3*0.04 = 0.28 ms.
+    # S = 3.3616 * 0.9 / (0.28 + 1.1) = 2.1924 (synchronous prices would say 3.3616 / 1.6 = 2.101).
+    doc = _fit(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3, draft_k=0.0, chosen="pairs")
+    doc["pipelining"] = {"target_s": 0.1e-3, "draft_s": 0.04e-3, "target_points": 4, "draft_points": 4}
+    model = FittedModel.from_document(doc)
+    cost = verdict.round_cost(model, 1, 4, 64)
+    assert (cost.plain, cost.verify, cost.draft) == pytest.approx((0.9e-3, 1.1e-3, 0.28e-3))
+    assert cost.speedup(3.3616) == pytest.approx(2.19235, abs=1e-4)
+    assert float(model.speedup(1, 4, 0.8, 64)) == pytest.approx(cost.speedup(3.3616))
+
+
+def test_deciding_term_parts_add_up_to_the_predicted_speedup(fit_doc):
+    # On a recorded fit with pipelined forwards: the verdict's S, its round shares and the
+    # round itself are one account with FittedModel.speedup.
     model = FittedModel.from_document(fit_doc)
     for batch, gamma, alpha in ((1, 2, 0.6), (4, 4, 0.9)):
-        cost = verdict.round_cost(model, batch, gamma, 64)
-        omega = float(theory.expected_tokens_per_round(alpha, gamma))
-        assert cost.speedup(omega) == pytest.approx(float(model.speedup(batch, gamma, alpha, 64)))
+        d = verdict.deciding_term(model, batch, gamma, alpha, 64)
+        assert d["speedup"] == pytest.approx(float(model.speedup(batch, gamma, alpha, 64)))
+        assert sum(d["round_share"].values()) == pytest.approx(1.0)
 
 
 def test_best_gamma_is_the_argmax_over_gamma(fit_doc):

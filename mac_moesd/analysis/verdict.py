@@ -45,11 +45,11 @@ class RoundCost:
 
 def round_cost(model: FittedModel, batch: int, gamma: int, context: int,
                verify: str = DEFAULT_VERIFY) -> RoundCost:
-    """The fitted model's prices of one round and one plain step (at the run's context)."""
-    plain = float(model.target(batch, 1, context))
-    verify_s = float(model.target(batch, verify_tokens(gamma, verify), context))
-    draft = gamma * float(model.params.draft_time(batch, model.ridge_tokens))
-    return RoundCost(plain, verify_s, draft, float(model.params.reject_time(batch)))
+    """The fitted model's prices of one round and one plain step at the run's context, each
+    forward as the loops run it (``FittedModel.step_times``, the account ``FittedModel.speedup``
+    uses), so ``round_cost(...).speedup(Omega)`` is the predicted S and the parts add up to it."""
+    plain, verify_s, draft_step, reject = model.step_times(batch, gamma, context, verify)
+    return RoundCost(float(plain), float(verify_s), gamma * float(draft_step), float(reject))
 
 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
