@@ -123,6 +123,7 @@ def read_points(path):
     return next(iter(data.get("sweeps", {}).values()), {}).get("points", {})
 
 
+@pytest.mark.slow
 def test_sigkill_midway_then_resume(tmp_path):
     results = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2",
@@ -145,6 +146,7 @@ def test_sigkill_midway_then_resume(tmp_path):
         assert after[key] == value
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_results_and_says_how_to_resume(tmp_path):
     results = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--batch", "1,2",

@@ -102,6 +102,7 @@ def test_parallel_outside_mlx_launch_is_a_usage_error(tmp_path):
     assert result.exit_code == 2 and "--rank-timeout goes with --parallel" in result.stderr
 
 
+@pytest.mark.timing
 def test_watchdog_ends_a_silent_process_with_one_line():
     code = ("import time\nfrom mac_moesd.measure.watchdog import Watchdog\n"
             "dog = Watchdog(1.0, 'rank 0: nobody answered')\n"
@@ -148,6 +149,7 @@ def sharded_logits(tmp_path_factory):
     return out, reference
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["pipeline", "tensor", "expert"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2", "olmoe"])
 def test_sharded_logits_match_the_whole_model(sharded_logits, arch, mode):
@@ -167,6 +169,7 @@ def test_sharded_logits_match_the_whole_model(sharded_logits, arch, mode):
     assert how == ("mlx-lm" if own else "mlx.nn")
 
 
+@pytest.mark.distributed
 def test_sharded_sweep_rank0_writes_cluster_results(tmp_path, config_dir):
     model = miniature(config_dir, "tiny-moe")
     # forced uniform routing: each rank's slice of the experts still sees global expert indices
@@ -233,6 +236,7 @@ def _kill_mid_sweep(tmp_path, config_dir, sig, extra=()):
     return proc, err, time.monotonic() - start, command, results
 
 
+@pytest.mark.distributed
 def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path, config_dir):
     proc, err, elapsed, command, results = _kill_mid_sweep(tmp_path, config_dir, signal.SIGKILL)
     assert elapsed < 60
@@ -249,6 +253,7 @@ def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path, config_dir):
         assert final[key]["samples_s"] == point["samples_s"]
 
 
+@pytest.mark.distributed
 def test_hung_rank_ends_the_run_in_bounded_time(tmp_path, config_dir):
     proc, err, elapsed, *_ = _kill_mid_sweep(tmp_path, config_dir, signal.SIGSTOP, ("--rank-timeout", "4"))
     assert elapsed < 40
@@ -256,6 +261,7 @@ def test_hung_rank_ends_the_run_in_bounded_time(tmp_path, config_dir):
     assert "Error: rank 0: no answer from the other ranks for 4 s" in err, err
 
 
+@pytest.mark.distributed
 def test_rank_that_never_starts(tmp_path):
     port = free_ports()
     hostfile = tmp_path / "hosts.json"

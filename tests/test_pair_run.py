@@ -212,6 +212,7 @@ def check_pair_report(folder, target_name, draft_name, prompt_sets):
     return data, md
 
 
+@pytest.mark.slow
 def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tiny_pair):
     target, draft = tiny_pair
     result, folder = run_pair_cli(tmp_path, target, draft)
@@ -233,6 +234,7 @@ def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tin
         assert after["sweeps"][key]["points"] == entry["points"]
 
 
+@pytest.mark.slow
 def test_a_pair_saved_by_the_test_runs_through_the_same_command(tmp_path, tiny_grid, own_pair):
     target, draft = own_pair
     prompts = tmp_path / "mine.jsonl"
@@ -246,6 +248,7 @@ def test_a_pair_saved_by_the_test_runs_through_the_same_command(tmp_path, tiny_g
     assert (folder / "traces" / "my-moe-mine.npz").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_pair_stage_is_skipped_and_named(tmp_path, tiny_grid, tiny_pair, monkeypatch):
     from mac_moesd.measure import routing
 

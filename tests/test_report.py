@@ -145,6 +145,7 @@ class Machine:
     available_bytes = None
 
 
+@pytest.mark.slow
 def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
     store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu",
                                                       "versions": {}, "blas": {}})
@@ -173,6 +174,7 @@ def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
     assert "## Verdict" in paths["markdown"].read_text()
 
 
+@pytest.mark.slow
 def test_cli_run_writes_the_chip_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
     result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])

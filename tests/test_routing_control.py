@@ -183,6 +183,7 @@ def swept(model, path, routing="model", batches=(1, 8), tokens=(1, 8)) -> dict:
     return sweep.run_sweep(cfg, ResultsStore(path, META), None)
 
 
+@pytest.mark.slow
 def test_sweep_uniform_routing_activates_n_of_bt(deep_moe, tmp_path):
     path = tmp_path / "results.json"
     uniform = swept(deep_moe, path, "uniform")
@@ -223,6 +224,7 @@ def test_gather_sorted_runs_and_is_recorded(tmp_path):
     assert key.endswith("|gather=sorted")
 
 
+@pytest.mark.slow
 def test_saved_trace_replays_its_own_counts(tmp_path):
     trace_file = tmp_path / "trace.npz"
     routed = invoke("routing", "tiny-moe", "--text", "prose", "--batch", "1,2", "--tokens", "1,4",

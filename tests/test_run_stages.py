@@ -3,6 +3,8 @@ and the exit status says how complete the run was."""
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 from test_report import Machine, tiny_plan
 
@@ -20,6 +22,7 @@ def metal_failure(*args, **kwargs):
     raise RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory\nmore detail")
 
 
+@pytest.mark.slow
 def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(routing, "run_routing", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
@@ -38,6 +41,7 @@ def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, mo
     assert json.loads((tmp_path / "results.json").read_text())["skipped"] == {}
 
 
+@pytest.mark.slow
 def test_a_failed_sweep_skips_its_fit_and_spec_with_reasons(tmp_path, monkeypatch):
     real = sweep.run_sweep
 
@@ -63,6 +67,7 @@ def test_nothing_measured_exits_1(tmp_path, monkeypatch):
     assert runner.run_all(tiny_plan(), store, Machine(), None).exit_status == 1
 
 
+@pytest.mark.slow
 def test_cli_run_with_a_skipped_stage_writes_the_report_and_exits_3(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
     monkeypatch.setattr(routing, "run_routing", metal_failure)

@@ -91,6 +91,7 @@ def test_acceptance_at_temperature_1_under_both_rules(pair):
     assert first == pytest.approx(rules["mlx-lm"]["acceptance_by_position"][0], abs=0.1)
 
 
+@pytest.mark.slow
 def test_spec_real_code_json_measured_beside_predicted(tiny_pair, tmp_path):
     """The issue's command on the trained pair, after a small sweep and fit of it so that a
     predicted speedup stands beside each measured one."""
