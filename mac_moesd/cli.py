@@ -528,6 +528,78 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     emit(document, as_json, render_spec)
 
 
+class UrlPair(click.ParamType):
+    """NAME=URL of a running OpenAI-compatible server."""
+
+    name = "NAME=URL"
+
+    def convert(self, value: Any, param, ctx) -> tuple:
+        if isinstance(value, tuple):
+            return value
+        name, sep, url = str(value).partition("=")
+        if not sep or not name.strip() or not url.strip():
+            self.fail(f"{value!r} is not NAME=URL (e.g. plain=http://127.0.0.1:8080)", param, ctx)
+        return name.strip(), url.strip().rstrip("/")
+
+
+@cli.command(name="serving")
+@click.argument("target", required=False)
+@click.option("--draft", default=None, help="Drafter: the second server runs with --draft-model DRAFT.")
+@click.option("--gamma", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Draft tokens per round (mlx_lm.server's --num-draft-tokens).")
+@click.option("--concurrency", type=NumberList(int, minimum=1), default="1,2,4,8,16,32", show_default=True,
+              help="Requests kept in flight, one leg each.")
+@click.option("--tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="max_tokens of every request.")
+@click.option("--prompts", default="chat,code", show_default=True,
+              help="Comma-separated prompt sets: code, chat or a FILE.")
+@click.option("--window", type=click.FloatRange(0, min_open=True), default=20.0, show_default=True,
+              metavar="S", help="Seconds of each measured window.")
+@click.option("--warmup", type=click.FloatRange(0), default=5.0, show_default=True, metavar="S",
+              help="Seconds of each leg before its window.")
+@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="All requests share an N-token prefix (agents on one context).")
+@click.option("--url", "urls", type=UrlPair(), multiple=True,
+              help="Measure a running server instead of launching mlx_lm.server (repeatable).")
+@click.option("--fit", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Results file (or folder) with the pair's fit [default: the one in --out].")
+@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
+              metavar="S", help="A request that gets no byte for this long fails.")
+@out_option()
+@json_option
+def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, warmup, shared_prefix, urls,
+                    fit, request_timeout, out, as_json) -> None:
+    """Aggregate tok/s of a local server at each concurrency, plain and with a drafter, beside
+    the suite's predictions for the same pair.
+
+    TARGET is a model folder with a tokenizer, or a Hugging Face repo id in the local cache:
+    mlx_lm.server is launched on 127.0.0.1 once plain and once with --draft, and stopped at the
+    end. With --url NAME=URL (e.g. plain=... sd=...) running servers are measured as configured.
+    """
+    from mac_moesd.measure.serving_stage import ServingConfig, run_serving
+    from mac_moesd.reporting.serving_section import render_serving
+
+    if draft and not target:
+        raise click.UsageError("--draft goes with TARGET")
+    cfg = ServingConfig(target=target, draft=draft, gamma=gamma, concurrency=concurrency, tokens=tokens,
+                        prompts=tuple(p.strip() for p in prompts.split(",") if p.strip()), window_s=window,
+                        warmup_s=warmup, shared_prefix=shared_prefix, urls=tuple(urls), fit=fit,
+                        request_timeout_s=request_timeout)
+    machine, meta, store = open_store(out)
+    progress = ProgressBar("serving")
+    servers = len(urls) or (2 if draft else 1)
+    progress.expect(servers * (len(concurrency) * len(cfg.prompts) + (0 if urls else 1)))
+    try:
+        document = run_serving(cfg, store, machine.backend, progress.advance)
+    finally:
+        progress.close()
+    for message in document["notes"]:
+        warn(message)
+    document["meta"] = meta
+    document["results_file"] = str(store.path)
+    emit(document, as_json, render_serving)
+
+
 @cli.command(name="run")
 @click.option("--quick", is_flag=True, help="Small grids and budgets: minutes, not an hour.")
 @click.option("--full", is_flag=True, help="More MoE models from the zoo (GPU backends).")

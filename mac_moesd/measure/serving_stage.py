@@ -1,0 +1,288 @@
+"""`mac-moesd serving`: aggregate tokens/s of a local server at each concurrency, plain and with
+a drafter, beside what the suite's fitted model predicts for the same pair.
+
+Without URLs, mlx_lm.server is launched on loopback once plain and once with the drafter, and
+stopped on every exit (``server_process``). With URLs, servers already running are measured as
+they are configured. Every leg is saved in the results file as soon as it ends, so an
+interrupted run keeps what it measured (``complete`` stays false).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from mac_moesd.analysis import serving_prediction as prediction
+from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
+from mac_moesd.measure import server_process, serving
+from mac_moesd.results import ResultsStore, load_results
+
+__all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "run_serving", "validate"]
+
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
+PROBE_TIMEOUT_S = 10.0
+MLX_LM_DECODE_CONCURRENCY = 32  # mlx_lm.server's default --decode-concurrency
+MLX_LM_PROMPT_CONCURRENCY = 8  # and its default --prompt-concurrency, passed explicitly to be recorded
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    target: str | None = None  # a model folder or cached HF id; with urls, only names the fit to use
+    draft: str | None = None
+    gamma: int = 3
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    tokens: int = 128
+    prompts: tuple[str, ...] = ("chat", "code")
+    window_s: float = 20.0
+    warmup_s: float = 5.0
+    shared_prefix: int = 0  # tokens every request's prompt shares (0: none)
+    urls: tuple[tuple[str, str], ...] = ()  # (name, base URL) of servers already running
+    fit: Path | None = None  # a results file (or its folder) holding the pair's fit
+    request_timeout_s: float = 120.0
+    command: tuple[str, ...] = ()  # the server's command; () = this Python's mlx_lm.server
+    ready_timeout_s: float = server_process.READY_TIMEOUT_S
+
+
+def validate(cfg: ServingConfig) -> None:
+    """BadInput for a configuration that cannot run, before anything starts."""
+    if not cfg.urls and not cfg.target:
+        raise BadInput("name a TARGET model to launch mlx_lm.server with, or --url NAME=URL for running servers")
+    names = [n for n, _ in cfg.urls]
+    if len(set(names)) != len(names):
+        raise BadInput("--url names must differ (e.g. plain=URL sd=URL)")
+    for name, url in cfg.urls:
+        if not name or not url.startswith(("http://", "https://")):
+            raise BadInput(f"--url {name}={url}: expected NAME=http://HOST:PORT")
+    for p in cfg.prompts:
+        load_prompts(p)
+
+
+def _probe(name: str, url: str) -> dict:
+    """A running server's description from its /v1/models; a clear error when it does not answer
+    or does not speak the OpenAI API."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=PROBE_TIMEOUT_S)
+    except httpx.TimeoutException:
+        raise MacMoesdError(f"--url {name}={url} did not answer within {PROBE_TIMEOUT_S:.0f} s") from None
+    except httpx.TransportError as err:
+        raise MacMoesdError(f"--url {name}={url} does not answer ({type(err).__name__})") from None
+    try:
+        models = [m["id"] for m in response.json()["data"]] if response.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        models = None
+    if not models:
+        raise MacMoesdError(f"--url {name}={url} does not speak the OpenAI API: GET /v1/models gave HTTP "
+                            f"{response.status_code} without a list of models")
+    return {"name": name, "kind": "openai-compatible", "version": None, "url": url, "launched": False,
+            "args": None, "models": models}
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Draft counters in a server's Prometheus /metrics (vLLM's ``spec_decode_num_*_tokens``),
+    summed over labels; {} when it has none."""
+    try:
+        response = httpx.get(url.rstrip("/") + "/metrics", timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    found: dict[str, float] = {}
+    for line in response.text.splitlines():
+        for key, marker in (("accepted", "spec_decode_num_accepted_tokens"), ("drafted", "spec_decode_num_draft_tokens")):
+            if line.startswith(("#",)) or marker not in line.split("{")[0].split(" ")[0]:
+                continue
+            try:
+                found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                pass
+    return found
+
+
+def shared_prefix_text(tokens: int, target_folder: Path | None) -> tuple[str, str]:
+    """About ``tokens`` tokens of the package's prose sample, and how they were counted (the
+    target's tokenizer where there is one, else words)."""
+    prose = resources.files("mac_moesd").joinpath("data/prose.txt").read_text()
+    tokenizer = load_tokenizer(target_folder) if target_folder is not None else None
+    if tokenizer is not None:
+        ids = tokenizer.encode(prose)
+        while len(ids) < tokens:
+            ids = ids + ids
+        return tokenizer.decode(ids[:tokens]), "target tokenizer"
+    words = prose.split()
+    while len(words) < tokens:
+        words = words + words
+    return " ".join(words[:tokens]), "words (no tokenizer here)"
+
+
+def _key(cfg: ServingConfig, target: str | None, draft: str | None) -> str:
+    return "url:" + ",".join(n for n, _ in cfg.urls) if cfg.urls else f"{target}|{draft}"
+
+
+def _fit_source(cfg: ServingConfig, data: dict) -> tuple[dict, str]:
+    """(results document, where it came from) holding the fit and acceptance passes."""
+    if cfg.fit is None:
+        return data, "this results file"
+    path = cfg.fit / "results.json" if cfg.fit.is_dir() else cfg.fit
+    return load_results(path), str(path)
+
+
+def predictions(doc: dict, data: dict, source: str) -> tuple[list[dict], str | None]:
+    """The predicted lines of a serving document from the fit and acceptance in ``data``."""
+    target, draft = doc.get("target_name"), doc.get("draft_name")
+    fit_doc = data.get("fits", {}).get(target) if target else None
+    if fit_doc is None:
+        return [], (f"no fit of {target} in {source}: run `mac-moesd run --target ... --draft ...` (or sweep "
+                    "--draft and fit) into the same --out, or give --fit" if target else
+                    "no TARGET named, so no fit to predict with")
+    rows = []
+    for prompts in doc["prompts"]:
+        legs = [leg for leg in doc["legs"] if leg["prompts"] == prompts and leg["prompt_tokens_mean"] is not None]
+        if not legs:
+            continue
+        prompt_tokens = legs[0]["prompt_tokens_mean"]
+        counters = [leg["sd_counters"] for leg in legs if leg["sd_counters"].get("drafted")]
+        alpha, where = None, None
+        if counters and doc.get("gamma"):
+            alpha = prediction.acceptance_from_counters(
+                {"drafted": sum(c["drafted"] for c in counters), "accepted": sum(c["accepted"] for c in counters)},
+                doc["gamma"])
+            where = "the server's draft counters"
+        if alpha is None:
+            key = f"{target}|{draft}|real|{prompts}"
+            alpha = prediction.acceptance_from_spec(data.get("spec", {}).get(key))
+            where = (f"the suite's acceptance pass ({key}, temperature 0, in {source})" if alpha is not None else
+                     f"no acceptance pass of {target} with {draft} on {prompts} in {source}: run `mac-moesd spec "
+                     f"TARGET --draft DRAFT --mode real --prompts {prompts}`")
+        for row in prediction.predicted_rows(fit_doc, tuple(doc["concurrency"]), doc.get("gamma") or 3,
+                                             prompt_tokens, doc["tokens"], alpha, where):
+            rows.append({"prompts": prompts, **row})
+    return rows, (None if rows else "no leg finished a request, so the prompts' length is unknown")
+
+
+def crossover(doc: dict) -> tuple[int | None, str | None]:
+    """The largest concurrency where SD as served beat plain on every prompt set (legs named
+    ``plain`` and ``sd``, status ok), or None with why."""
+    wins = None
+    for prompts in doc["prompts"]:
+        by = {name: {leg["concurrency"]: leg["aggregate_tok_s"] for leg in doc["legs"]
+                     if leg["server"] == name and leg["prompts"] == prompts and leg["status"] == "ok"}
+              for name in ("plain", "sd")}
+        if not by["plain"] or not by["sd"]:
+            continue
+        won = {c for c in by["plain"] if c in by["sd"] and by["sd"][c] > by["plain"][c]}
+        wins = won if wins is None else wins & won
+    if wins is None:
+        return None, "no concurrency has both a plain and an SD leg (servers named plain and sd)"
+    return (max(wins), None) if wins else (None, "SD as served never beat plain")
+
+
+def _leg(cfg: ServingConfig, url: str, model: str, concurrency: int, prompt_set, prefix: str, server: str,
+         drafter: str | None, reported: Callable[[], dict]) -> dict:
+    leg = serving.LegConfig(url=url, model=model, concurrency=concurrency, prompts=prompt_set.prompts,
+                            max_tokens=cfg.tokens, warmup_s=cfg.warmup_s, window_s=cfg.window_s,
+                            request_timeout_s=cfg.request_timeout_s, shared_prefix=prefix)
+    before = reported()
+    records, cpu = serving.run_leg(leg)
+    after = reported()
+    counters = ({"source": "/metrics", "drafted": after["drafted"] - before.get("drafted", 0.0),
+                 "accepted": after["accepted"] - before.get("accepted", 0.0)}
+                if "drafted" in after and "accepted" in after else after)
+    return serving.leg_document(leg, records, cpu, server, drafter, cfg.gamma if drafter else None,
+                                prompt_set_label(prompt_set), counters)
+
+
+def prompt_set_label(prompt_set) -> str:
+    return prompt_set.name
+
+
+def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
+                progress: Callable[[str], None] = lambda label: None) -> dict:
+    """Measure every leg into ``store`` (section ``serving``) and return the serving document."""
+    validate(cfg)
+    folder = store.path.parent
+    notes = []
+    stale = server_process.reap_stale(folder)
+    if stale:
+        notes.append(stale)
+    prompt_sets = [load_prompts(p) for p in cfg.prompts]
+    target_folder = draft_folder = None
+    target_name = draft_name = None
+    if cfg.target:
+        from mac_moesd.inputs import models
+
+        target_name = models.resolve(cfg.target).name
+        draft_name = models.resolve(cfg.draft).name if cfg.draft else None
+    if not cfg.urls:
+        target_folder = server_process.served_folder(cfg.target)
+        draft_folder = server_process.served_folder(cfg.draft) if cfg.draft else None
+    prefix, counted = shared_prefix_text(cfg.shared_prefix, target_folder) if cfg.shared_prefix else ("", None)
+    doc = {"target": cfg.target, "draft": cfg.draft, "target_name": target_name, "draft_name": draft_name,
+           "gamma": cfg.gamma if cfg.draft or cfg.urls else None, "tokens": cfg.tokens,
+           "prompts": [prompt_set_label(p) for p in prompt_sets], "concurrency": list(cfg.concurrency),
+           "window_s": cfg.window_s, "warmup_s": cfg.warmup_s,
+           "shared_prefix": {"tokens": cfg.shared_prefix, "counted_by": counted} if cfg.shared_prefix else None,
+           "server": [], "legs": [], "predicted": [], "predicted_reason": None,
+           "crossover_concurrency": None, "crossover_reason": None, "complete": False, "notes": notes}
+    key = _key(cfg, target_name, draft_name)
+    store.put("serving", key, doc)
+
+    def measure(server: str, url: str, model: str, drafter: str | None, reported: Callable[[], dict],
+                alive: Callable[[], None]) -> None:
+        for prompt_set in prompt_sets:
+            for c in cfg.concurrency:
+                progress(f"{server} x{c} on {prompt_set_label(prompt_set)}")
+                doc["legs"].append(_leg(cfg, url, model, c, prompt_set, prefix, server, drafter, reported))
+                store.put("serving", key, doc)
+                alive()
+
+    with server_process.sigterm_as_interrupt():
+        if cfg.urls:
+            for name, url in cfg.urls:
+                doc["server"].append(_probe(name, url))
+            store.put("serving", key, doc)
+            for server in doc["server"]:
+                def alive(server=server) -> None:
+                    _probe(server["name"], server["url"])
+
+                measure(server["name"], server["url"], server["models"][0], None,
+                        lambda url=server["url"]: _metrics(url) or {
+                            "reported": False, "why": "the server reported no draft counters (in its responses' "
+                                                      "timings or a /metrics endpoint)"}, alive)
+        else:
+            launches = [("plain", None)] + ([("sd", draft_folder)] if draft_folder else [])
+            copies = folder / "served-models"
+            served_target, target_note = (server_process.cpu_servable(target_folder, copies) if backend == "cpu"
+                                          else (target_folder, {}))
+            for name, drafter in launches:
+                served_draft, draft_note = ((server_process.cpu_servable(drafter, copies) if backend == "cpu"
+                                             else (drafter, {})) if drafter else (None, {}))
+                server_cfg = server_process.ServerConfig(
+                    name=name, model=served_target, draft=served_draft, gamma=cfg.gamma,
+                    decode_concurrency=max(max(cfg.concurrency), MLX_LM_DECODE_CONCURRENCY),
+                    prompt_concurrency=MLX_LM_PROMPT_CONCURRENCY, command=cfg.command,
+                    ready_timeout_s=cfg.ready_timeout_s,
+                    notes={**target_note, **({"draft_copy": draft_note["served_copy"]} if draft_note else {})})
+                progress(f"starting mlx_lm.server ({name})")
+                with server_process.LaunchedServer(server_cfg, folder) as launched:
+                    doc["server"].append(launched.describe())
+                    store.put("serving", key, doc)
+                    why = ("mlx_lm.server reports no accepted or drafted counts (in its responses or metrics)"
+                           if drafter else "no drafter")
+
+                    def alive(launched=launched) -> None:
+                        if launched.proc.poll() is not None:
+                            raise launched.failure(f"exited (status {launched.proc.returncode}) during a leg")
+
+                    measure(name, launched.url, "default_model", draft_name if drafter else None,
+                            lambda why=why: {"reported": False, "why": why}, alive)
+        data, source = _fit_source(cfg, store.data)
+        doc["predicted"], doc["predicted_reason"] = predictions(doc, data, source)
+        doc["crossover_concurrency"], doc["crossover_reason"] = crossover(doc)
+        doc["complete"] = True
+        store.put("serving", key, doc)
+    return doc

@@ -1,0 +1,326 @@
+"""The serving stage's client, statistics, launcher and error paths, against a small fake server
+(tests/fake_openai_server.py). No test here asserts on speed."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.measure import server_process, serving, serving_stage
+from mac_moesd.measure.serving import LegConfig, RequestRecord
+from mac_moesd.results import ResultsStore
+
+from fake_openai_server import ACCEPTED, DRAFTED, TOKENS, FakeServer
+
+FAKE = str(Path(__file__).parent / "fake_openai_server.py")
+META = {"chip_slug": "test", "backend": "cpu", "versions": {"mlx": "x"}, "blas": {"name": "openblas"}}
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+        return True  # exited, not yet reaped by its parent
+    # A zombie child of this process still answers kill(0): it has exited if waitpid reaps it.
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return False
+
+
+def leg_cfg(url, concurrency=2, window=0.4, warmup=0.1, **kw):
+    return LegConfig(url=url, model="m", concurrency=concurrency, prompts=("a", "b"), max_tokens=TOKENS,
+                     warmup_s=warmup, window_s=window, **kw)
+
+
+def fake_model(tmp_path: Path) -> Path:
+    """A model folder mlx_lm.server would take (config, tokenizer, float32 weights), for the fake."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8,
+                                                    "num_hidden_layers": 1, "vocab_size": 16}))
+    (folder / "tokenizer.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    return folder
+
+
+def store(tmp_path: Path) -> ResultsStore:
+    return ResultsStore(tmp_path / "out" / "results.json", META)
+
+
+# ---- statistics, from hand-made records ----
+
+
+def test_overlap_mean_and_max_by_hand():
+    # Window [0, 10]: A generates 0-10, B 2-6, C 5-12 (clipped to 5-10) -> 10 + 4 + 5 = 19 request-seconds
+    # over 10 s = 1.9 on average; at t in [5, 6] all three run at once.
+    stats = serving.overlap([(0, 10), (2, 6), (5, 12)], 0, 10)
+    assert stats["mean"] == pytest.approx(1.9)
+    assert stats["max"] == 3
+    # A server that queues: back-to-back intervals never overlap (touching ends do not count twice).
+    assert serving.overlap([(0, 5), (5, 10)], 0, 10) == {"mean": 1.0, "max": 1}
+
+
+def test_tokens_count_by_arrival_inside_the_window():
+    cfg = LegConfig(url="u", model="m", concurrency=2, prompts=("p",), max_tokens=4, warmup_s=1.0, window_s=2.0)
+    # Window [1, 3]. Request 1 straddles the start: chunks at 0.5 and 1.5 with usage 4 tokens -> 2 tokens a
+    # chunk, one chunk inside: 2 tokens. Request 2 inside: 4 chunks, no usage: 4 tokens. Request 3 cut at the
+    # end: chunks at 2.5 and 3.5, one inside: 1 token. Total 7 tokens / 2 s = 3.5 tok/s.
+    r1 = RequestRecord(start=0.2, chunks=[0.5, 1.5], end=1.6, usage_tokens=4, finish_reason="length")
+    r2 = RequestRecord(start=1.6, chunks=[1.8, 2.0, 2.2, 2.4], end=2.5, finish_reason="length")
+    r3 = RequestRecord(start=2.4, chunks=[2.5, 3.5], end=3.6, cut=True)
+    bad = RequestRecord(start=2.0, end=2.1, error="HTTP 500")
+    leg = serving.leg_document(cfg, [r1, r2, r3, bad], {"cpu_s": 0.1, "wall_s": 2.0}, "plain", None, None, "p",
+                               {"reported": False, "why": "no drafter"})
+    assert leg["tokens"] == pytest.approx(7.0)
+    assert leg["aggregate_tok_s"] == pytest.approx(3.5)
+    # Finished inside: r1 (ends 1.6) and r2; failed inside: 1 of 3 attempts -> 33% > 5%: failed.
+    assert (leg["requests"], leg["failed"], leg["cut"]) == (2, 1, 1)
+    assert leg["errors"] == {"HTTP 500": 1}
+    assert leg["status"] == "failed"
+    # TTFT: r1 0.3, r2 0.2 -> p50 0.25. Inter-token: r1 one gap of 1.0 s over 2 tokens a chunk = 0.5,
+    # r2 three gaps of 0.2 -> p50 0.2.
+    assert leg["ttft_s"]["p50"] == pytest.approx(0.25)
+    assert leg["itl_s"]["p50"] == pytest.approx(0.2)
+    # Per request, tokens after the first over first-token-to-end: r1 3/1.1, r2 3/0.7; p50 their mean.
+    assert leg["per_request_tok_s"]["p50"] == pytest.approx((3 / 1.1 + 3 / 0.7) / 2)
+    assert json.dumps(leg, allow_nan=False)  # never NaN
+
+
+def test_empty_leg_is_failed_with_nulls_not_nan():
+    cfg = LegConfig(url="u", model="m", concurrency=1, prompts=("p",), max_tokens=4, warmup_s=0.0, window_s=1.0)
+    leg = serving.leg_document(cfg, [], {"cpu_s": 0.0, "wall_s": 1.0}, "plain", None, None, "p", {})
+    assert leg["status"] == "failed"
+    assert leg["ttft_s"]["p50"] is None and leg["ttft_s"]["why"]
+    json.dumps(leg, allow_nan=False)
+
+
+def test_every_prompt_has_its_own_first_line():
+    prompts = [serving.unique_prompt(("x", "y"), i) for i in range(6)]
+    assert len({p.splitlines()[0] for p in prompts}) == 6
+    shared = serving.unique_prompt(("x",), 3, "PREFIX")
+    assert shared.startswith("PREFIX\n\nRequest 3.")
+
+
+# ---- legs against the fake ----
+
+
+def test_leg_against_a_working_server():
+    with FakeServer("ok") as url:
+        records, cpu = serving.run_leg(leg_cfg(url))
+    leg = serving.leg_document(leg_cfg(url), records, cpu, "plain", None, None, "p", {})
+    assert leg["status"] == "ok" and leg["failed"] == 0 and leg["requests"] > 0
+    assert leg["in_flight"]["max"] <= 2
+    assert leg["client_cpu"]["share_of_one_core"] is not None
+
+
+def test_http_500s_are_counted_and_fail_the_leg():
+    with FakeServer("500") as url:
+        records, cpu = serving.run_leg(leg_cfg(url))
+    leg = serving.leg_document(leg_cfg(url), records, cpu, "plain", None, None, "p", {})
+    assert leg["failed"] > 0 and leg["requests"] == 0
+    assert leg["errors"] == {"HTTP 500": leg["failed"]}
+    assert leg["status"] == "failed"
+
+
+def test_a_server_that_never_answers_times_out_per_request():
+    with FakeServer("hang") as url:
+        records, cpu = serving.run_leg(leg_cfg(url, concurrency=1, window=0.6, warmup=0.0, request_timeout_s=0.2))
+    leg = serving.leg_document(leg_cfg(url, concurrency=1, window=0.6, warmup=0.0), records, cpu, "x", None,
+                               None, "p", {})
+    assert leg["errors"].get("timeout", 0) >= 1
+    assert leg["status"] == "failed"
+
+
+def test_draft_counters_in_responses_are_summed():
+    with FakeServer("ok-drafts") as url:
+        records, cpu = serving.run_leg(leg_cfg(url))
+    leg = serving.leg_document(leg_cfg(url), records, cpu, "sd", None, 3, "p", {"reported": False})
+    n = leg["requests"]
+    assert leg["sd_counters"]["drafted"] == DRAFTED * n and leg["sd_counters"]["accepted"] == ACCEPTED * n
+
+
+# ---- --url ----
+
+
+def test_url_that_never_answers_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving_stage, "PROBE_TIMEOUT_S", 0.3)
+    with FakeServer("hang") as url:
+        cfg = serving_stage.ServingConfig(urls=(("x", url),), prompts=("code",))
+        with pytest.raises(MacMoesdError, match="did not answer within"):
+            serving_stage.run_serving(cfg, store(tmp_path), "cpu")
+
+
+def test_url_that_does_not_speak_openai_is_a_clear_error(tmp_path):
+    with FakeServer("not-openai") as url:
+        cfg = serving_stage.ServingConfig(urls=(("x", url),), prompts=("code",))
+        with pytest.raises(MacMoesdError, match="does not speak the OpenAI API"):
+            serving_stage.run_serving(cfg, store(tmp_path), "cpu")
+
+
+def test_url_with_nothing_listening_is_a_clear_error(tmp_path):
+    port = server_process.free_port()
+    cfg = serving_stage.ServingConfig(urls=(("x", f"http://127.0.0.1:{port}"),), prompts=("code",))
+    with pytest.raises(MacMoesdError, match="does not answer"):
+        serving_stage.run_serving(cfg, store(tmp_path), "cpu")
+
+
+def test_url_legs_through_the_cli(tmp_path):
+    from click.testing import CliRunner
+
+    from mac_moesd.cli import cli
+
+    with FakeServer("ok") as plain, FakeServer("ok-drafts") as sd:
+        result = CliRunner().invoke(cli, ["serving", "--url", f"plain={plain}", "--url", f"sd={sd}",
+                                          "--concurrency", "1,2", "--window", "0.3", "--warmup", "0.1",
+                                          "--tokens", "8", "--prompts", "code", "--out", str(tmp_path), "--json"],
+                                    standalone_mode=False)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [s["name"] for s in doc["server"]] == ["plain", "sd"]
+    assert all(s["launched"] is False and s["models"] == ["fake-model"] for s in doc["server"])
+    assert [(leg["server"], leg["concurrency"]) for leg in doc["legs"]] == [("plain", 1), ("plain", 2),
+                                                                           ("sd", 1), ("sd", 2)]
+    for key in ("server", "drafter", "gamma", "concurrency", "prompts", "window_s", "requests", "failed",
+                "status", "tokens", "early_stops", "aggregate_tok_s", "per_request_tok_s", "ttft_s", "itl_s",
+                "in_flight", "sd_counters", "client_cpu"):
+        assert key in doc["legs"][0]
+    assert doc["legs"][0]["sd_counters"]["reported"] is False
+    assert doc["legs"][2]["sd_counters"]["drafted"] > 0
+    assert "crossover_concurrency" in doc and "predicted" in doc
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["serving"]["url:plain,sd"]["complete"] is True
+
+
+# ---- launching a server (the fake stands in for mlx_lm.server) ----
+
+
+def launch_cfg(tmp_path, mode="ok", **kw) -> server_process.ServerConfig:
+    return server_process.ServerConfig(name="plain", model=fake_model(tmp_path),
+                                       command=(sys.executable, FAKE, "--mode", mode), ready_timeout_s=20, **kw)
+
+
+def test_launched_server_is_stopped_on_normal_exit_and_on_error(tmp_path):
+    cfg = launch_cfg(tmp_path)
+    with server_process.LaunchedServer(cfg, tmp_path) as server:
+        pid = server.proc.pid
+        assert json.loads((tmp_path / server_process.PID_FILE).read_text())["pid"] == pid
+    assert gone(pid) and not (tmp_path / server_process.PID_FILE).exists()
+    with pytest.raises(RuntimeError):
+        with server_process.LaunchedServer(cfg, tmp_path) as server:
+            pid = server.proc.pid
+            raise RuntimeError("boom")
+    assert gone(pid)
+    with pytest.raises(KeyboardInterrupt):
+        with server_process.LaunchedServer(cfg, tmp_path) as server:
+            pid = server.proc.pid
+            raise KeyboardInterrupt
+    assert gone(pid)
+
+
+def test_server_that_dies_mid_leg_is_an_error_naming_its_log_and_keeps_the_legs(tmp_path):
+    target = fake_model(tmp_path)
+    # Dies at its 40th completion: the probe is the 1st, so some legs run first.
+    cfg = serving_stage.ServingConfig(target=str(target), concurrency=(1, 1, 1, 1, 1, 1, 1, 1), tokens=8,
+                                      prompts=("code",), window_s=0.3, warmup_s=0.0,
+                                      command=(sys.executable, FAKE, "--mode", "die-after:40"), ready_timeout_s=20)
+    s = store(tmp_path)
+    with pytest.raises(MacMoesdError, match=r"exited .* during a leg; its output is in .*serving-plain.log"):
+        serving_stage.run_serving(cfg, s, "cpu")
+    doc = json.loads(s.path.read_text())["serving"][f"{target.name}|None"]
+    assert doc["complete"] is False and doc["legs"]
+    assert doc["legs"][-1]["failed"] > 0 or doc["legs"][-1]["cut"] > 0
+    assert gone(doc["server"][0]["pid"])
+
+
+def test_server_that_cannot_start_names_its_log_and_exits_1(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from mac_moesd.measure import server_process
+            server_process.default_command = lambda: ["/nonexistent/mlx_lm-server"]
+            from mac_moesd.cli import cli
+            sys.argv = ["mac-moesd", "serving", {str(fake_model(tmp_path))!r}, "--out", {str(out)!r},
+                        "--prompts", "code", "--concurrency", "1"]
+            cli()
+        """)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: mlx_lm.server (plain) could not be started")
+    assert str(out / "serving-plain.log") in last
+
+
+def test_port_taken_fails_with_the_log(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        cfg = launch_cfg(tmp_path, port=holder.getsockname()[1])
+        with pytest.raises(MacMoesdError, match=r"exited with status .* before answering; its output is in"):
+            with server_process.LaunchedServer(cfg, tmp_path):
+                pass
+    assert not (tmp_path / server_process.PID_FILE).exists()
+
+
+def test_a_server_left_by_a_killed_run_is_stopped_by_the_next(tmp_path):
+    cfg = launch_cfg(tmp_path)
+    server = server_process.LaunchedServer(cfg, tmp_path)
+    server.start()  # and never stopped: as if this run were killed
+    pid = server.proc.pid
+    try:
+        message = server_process.reap_stale(tmp_path)
+        assert message and f"pid {pid}" in message
+        server.proc.wait(timeout=10)
+        assert gone(pid) and not (tmp_path / server_process.PID_FILE).exists()
+    finally:
+        server.stop()
+
+
+def test_a_pid_file_naming_someone_elses_process_kills_nothing(tmp_path):
+    (tmp_path / server_process.PID_FILE).write_text(json.dumps({"pid": os.getpid(), "command": ["not", "us"]}))
+    assert server_process.reap_stale(tmp_path) is None
+    assert not (tmp_path / server_process.PID_FILE).exists()
+
+
+RUNNER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from mac_moesd.measure import server_process
+    cfg = server_process.ServerConfig(name="plain", model=Path(sys.argv[1]),
+                                      command=(sys.executable, sys.argv[2], "--mode", "ok"), ready_timeout_s=20)
+    with server_process.sigterm_as_interrupt():
+        with server_process.LaunchedServer(cfg, Path(sys.argv[3])) as server:
+            print(server.proc.pid, flush=True)
+            time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_server_goes_when_its_parent_is_terminated_interrupted_or_killed(tmp_path, sig):
+    if sig == signal.SIGKILL and not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signalling is Linux's prctl")
+    parent = subprocess.Popen([sys.executable, "-c", RUNNER, str(fake_model(tmp_path)), FAKE, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        parent.send_signal(sig)
+        parent.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(pid)
+    finally:
+        parent.kill()
+        parent.wait()
