@@ -12,7 +12,7 @@ from mac_moesd.analysis import cluster, fit
 from mac_moesd.cli import cli
 from mac_moesd.reporting import compare, report
 
-FIXTURE = Path(__file__).parent / "data" / "results_quick_cpu.json"
+FIXTURE = Path(__file__).parent / "data" / "results_quick_cpu.json"  # today's recorded `run --quick`
 LATENCY, BANDWIDTH, HIDDEN, LAYERS = 50e-6, 1e9, 512, 4  # a made-up link, recovered below
 
 

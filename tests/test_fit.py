@@ -295,9 +295,11 @@ def test_speedup_predictor_applies_kv_at_the_runs_context():
     assert predictor(2, 4, 0.7, False, 64 * L) > predictor(2, 4, 0.7, False, L)
 
 
+# Today's recorded file (pipelined forwards, second-context points, unique-read counts) and one
+# recorded before any of those existed, which the fit must still read.
 @pytest.mark.parametrize("results", [Path(__file__).parent / "data" / "results_quick_cpu.json",
-                                     Path(__file__).parents[1] / "reports" / "example-linux-cpu-amd-epyc"
-                                     / "results.json"])
+                                     Path(__file__).parent / "data" / "results_quick_cpu_early.json"],
+                         ids=["current", "early"])
 def test_cli_fit_on_a_cpu_results_file_chooses_no_worse_than_unique(tmp_path, results):
     path = tmp_path / "results.json"
     shutil.copy(results, path)
