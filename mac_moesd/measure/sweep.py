@@ -20,19 +20,17 @@ routing or a forced one (``routing_control.py``).
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import (CacheList, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache,
-                                  can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache)
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mac_moesd.analysis.digest import second_context_points
 from mac_moesd.machine import memory
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import routing, timing
+from mac_moesd.measure import cache_copy, routing, timing
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
@@ -153,7 +151,8 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
 
 class RolledBackCache:
     """A prompt cache prefilled to ``context``; ``rollback`` undoes the last forward, ``reset``
-    everything since the prefill. ``prompt`` (batch, context) defaults to random token ids."""
+    everything since the prefill. ``prompt`` (batch, context) defaults to random token ids. Every
+    cache class of mlx-lm 0.32 is handled (``cache_copy``); another is refused when copied."""
 
     def __init__(self, model, batch: int, context: int, vocab: int, prompt: mx.array | None = None):
         self.cache = make_prompt_cache(model)
@@ -164,42 +163,31 @@ class RolledBackCache:
             model(prompt[:, start : start + PREFILL_CHUNK], cache=self.cache)
             mx.eval([c.state for c in self.cache])
         self.trimmable = can_trim_prompt_cache(self.cache)
-        # Snapshot for caches that cannot trim; new array objects keep the prefilled data alive.
-        self.snapshot = None if self.trimmable else [
-            tuple(mx.array(s) if isinstance(s, mx.array) else s for s in c.state)
-            for c in self.cache
-        ]
+        # Snapshot for caches that cannot trim: copies, since the caches write their arrays in place.
+        self.snapshot = None if self.trimmable else [cache_copy.copy_cache(c) for c in self.cache]
 
     def rollback(self, tokens: int) -> None:
         if self.trimmable:
             trim_prompt_cache(self.cache, tokens)
         else:
-            for c, state in zip(self.cache, self.snapshot):
-                c.state = state
-        offsets = {c.offset for c in self.cache}
-        if offsets != {self.context}:
+            for c, saved in zip(self.cache, self.snapshot):
+                cache_copy.restore(c, saved)
+        offsets = set(cache_copy.offsets(self.cache))
+        if offsets - {self.context}:
             raise MacMoesdError(f"KV cache not restored: offsets {sorted(offsets)}, want {self.context}")
 
     def reset(self) -> None:
-        self.rollback(self.cache[0].offset - self.context)
+        self.rollback(max(cache_copy.offsets(self.cache), default=self.context) - self.context)
 
     def rows(self, batch: int) -> RolledBackCache:
         """The first ``batch`` sequences as a cache of their own (copies of their rows: every
-        cache state holds the batch on axis 0), so one prefill serves every smaller batch."""
+        per-sequence array holds the batch on axis 0), so one prefill serves every smaller batch."""
         self.reset()
-
-        def take(state):
-            return tuple(mx.array(s[:batch]) if isinstance(s, mx.array) else s for s in state)
-
         out = object.__new__(RolledBackCache)
         out.batch, out.context, out.trimmable = batch, self.context, self.trimmable
-        out.cache = []
-        for c in self.cache:
-            copied = copy.copy(c)
-            copied.state = take(c.state)
-            out.cache.append(copied)
-        out.snapshot = None if self.snapshot is None else [take(s) for s in self.snapshot]
-        mx.eval(out.state(), out.snapshot or [])
+        out.cache = [cache_copy.copy_cache(c, batch) for c in self.cache]
+        out.snapshot = None if self.snapshot is None else [cache_copy.copy_cache(s, batch) for s in self.snapshot]
+        mx.eval(cache_copy.arrays(out.cache), cache_copy.arrays(out.snapshot or []))
         return out
 
     def shortened(self, batch: int, context: int) -> RolledBackCache | None:
@@ -210,7 +198,7 @@ class RolledBackCache:
             return None
         out = self.rows(batch)
         trim_prompt_cache(out.cache, self.context - context)
-        if {c.offset for c in out.cache} != {context}:
+        if set(cache_copy.offsets(out.cache)) != {context}:
             return None
         out.context = context
         return out
@@ -455,15 +443,8 @@ def kv_in_use(entry: dict) -> dict:
 def can_shorten(model, context: int) -> bool:
     """Whether every layer's cache, prefilled to ``context``, can be trimmed back to a shorter one:
     plain, quantized and concatenating KV caches can; a sliding window filled to its size, a
-    chunked cache past its chunk and a state-space layer's cache cannot."""
-    def trims(cache) -> bool:
-        if isinstance(cache, CacheList):
-            return all(trims(c) for c in cache.caches)
-        if isinstance(cache, RotatingKVCache):
-            return context < cache.max_size
-        return isinstance(cache, (KVCache, QuantizedKVCache, ConcatenateKVCache))
-
-    return all(trims(c) for c in make_prompt_cache(model))
+    chunked cache past its chunk and a state-space layer's cache cannot (``cache_copy.can_shorten``)."""
+    return all(cache_copy.can_shorten(c, context) for c in make_prompt_cache(model))
 
 
 UNTRIMMABLE = ("{model}'s KV cache cannot be trimmed back to a shorter context (sliding-window, chunked "
