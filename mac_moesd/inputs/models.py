@@ -1,16 +1,24 @@
 """Turn a MODEL argument into an mlx-lm model: random weights from a config, or a local checkpoint.
 
-MODEL is a zoo name, a directory with config.json (weights optional), a config.json path, or a
-Hugging Face repo id already in the local cache (never downloaded). Every path ends in mlx-lm's
-own ``Model`` class; we only choose the config, the dtype, the quantization and the layer slice.
+MODEL is a zoo name, a directory with config.json, a config.json path, or a Hugging Face repo id
+already in the local cache (never downloaded). Every path ends in mlx-lm's own ``Model`` class;
+we only choose the config, the dtype, the quantization and the layer slice.
+
+Random weights are what a config alone asks for: a zoo name, a config.json, or a folder that holds
+a config.json and no weight files at all. A folder that holds weights must hold all of them: a
+shard its ``model.safetensors.index.json`` names but that is absent, weights only in a format
+mlx-lm does not load (``pytorch_model.bin``, GGUF, ...), or a tensor the model expects that no
+file holds is refused with what is missing, never filled with random values.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import glob
 import io
+import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,13 +27,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-from mlx_lm.utils import _get_classes, load_model, quantize_model
+from mlx_lm.utils import load_model, quantize_model
 
+from mac_moesd import mlxlm_compat
 from mac_moesd.inputs import hfcache, zoo
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "resolve",
-           "stored_format"]
+__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet",
+           "resolve", "stored_format", "weights_folder"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GROUP_SIZE = 64  # mlx-lm's default quantization group
@@ -49,8 +58,7 @@ def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_dir():
         config = zoo.read_config(path / "config.json")
-        weights = path if glob.glob(str(path / "model*.safetensors")) else None
-        return ModelSource(path.name, config, weights)
+        return ModelSource(path.name, config, weights_folder(path))
     if path.suffix == ".json" or path.exists():
         return ModelSource(path.parent.name or path.stem, zoo.read_config(path))
     if "/" in model:
@@ -64,6 +72,81 @@ def resolve(model: str) -> ModelSource:
         return replace(resolve(str(cached)), name=model)
     entry = zoo.by_name(model)
     return ModelSource(entry.name, copy.deepcopy(entry.config))
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _foreign_weights(folder: Path) -> list[str]:
+    """Weight files mlx-lm does not load (it reads model*.safetensors only)."""
+    prefixes = ("model", "pytorch_model", "consolidated")
+    return sorted(p.name for p in folder.iterdir() if p.is_file() and (
+        p.suffix in (".safetensors", ".gguf")
+        or (p.suffix in (".bin", ".pt", ".pth") and p.name.startswith(prefixes))))
+
+
+def weights_folder(folder: Path) -> Path | None:
+    """``folder`` when it holds complete weights for mlx-lm, None when it holds no weight file at
+    all (a config alone: random weights). Refuses, naming what is missing, a folder whose index
+    names shards it lacks, or whose only weights are in a format mlx-lm does not load."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as err:
+            raise MacMoesdError(f"{index} cannot be read as a safetensors index ({err})") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise MacMoesdError(f"{folder} lacks {len(missing)} of the {len(shards)} weight files its "
+                                f"model.safetensors.index.json names: {_listed(missing)}; fetch them again")
+        return folder
+    if glob.glob(str(folder / "model*.safetensors")):
+        return folder
+    foreign = _foreign_weights(folder)
+    if foreign:
+        raise MacMoesdError(f"{folder} holds weights mlx-lm does not load ({_listed(foreign)}): it reads "
+                            "model*.safetensors; convert them with `mlx_lm.convert`")
+    return None
+
+
+def _check_then_load(model: nn.Module, name: str, weights: list, strict: bool = True) -> nn.Module:
+    """Stands in for ``model.load_weights`` once: refuses weights that leave a tensor the model
+    expects unset or of another shape, then loads them. Extra tensors are fine: a checkpoint
+    also holds the layers past a slice."""
+    del model.load_weights  # the instance attribute; the class's method stays
+    given = dict(weights)
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(expected.keys() - given.keys())
+    if missing:
+        raise MacMoesdError(f"{name}: its safetensors lack {len(missing)} of the {len(expected)} tensors "
+                            f"the model expects ({_listed(missing)}); the weights are incomplete")
+    for key, array in expected.items():
+        if given[key].shape != array.shape:
+            raise MacMoesdError(f"{name}: tensor {key} has shape {tuple(given[key].shape)} in its "
+                                f"safetensors, {tuple(array.shape)} in the model its config describes")
+    return type(model).load_weights(model, weights, strict=False)
+
+
+def _load(folder: Path, name: str, config: dict | None = None) -> nn.Module:
+    """mlx-lm's ``load_model``, lazily, with every tensor the (sliced) model expects checked to be
+    in the weights: its ``strict=False``, needed for the layers past a slice, would otherwise
+    leave a missing tensor at its random initialisation without a word."""
+    def classes(config: dict):  # mlx-lm passes config= by name
+        model_class, args_class = mlxlm_compat.model_classes(config)
+
+        def make(args) -> nn.Module:
+            model = model_class(args)
+            model.load_weights = functools.partial(_check_then_load, model, name)
+            return model
+
+        return make, args_class
+
+    with mlx_lm_quiet():
+        model, _ = load_model(folder, lazy=True, model_config=config, strict=False, get_model_classes=classes)
+    if "load_weights" in vars(model):  # mlx-lm loaded without calling it: nothing was checked
+        raise mlxlm_compat.incompatible("loading a checkpoint", "load_model calling Model.load_weights")
+    return model
 
 
 @dataclass(frozen=True)
@@ -234,11 +317,9 @@ def build(
     mx.random.seed(seed)
     try:
         if source.has_weights:
-            # strict=False: the checkpoint also holds the layers past the slice.
-            with mlx_lm_quiet():
-                model, _ = load_model(source.weights_dir, lazy=True, model_config=config, strict=False)
+            model = _load(source.weights_dir, source.name, config)
         else:
-            model_class, args_class = _get_classes(config)
+            model_class, args_class = mlxlm_compat.model_classes(config)
             model = model_class(args_class.from_dict(config))
     except (ValueError, TypeError, KeyError) as err:  # unsupported model_type, missing config keys
         raise MacMoesdError(f"cannot build {source.name} from its config: {err}") from None
@@ -265,8 +346,7 @@ def stored_format(source: ModelSource) -> str | None:
         return None
     if "quantization" in source.config:
         return f"{int(source.config['quantization'].get('bits', 4))}bit"
-    with mlx_lm_quiet():
-        model, _ = load_model(source.weights_dir, lazy=True, strict=False)
+    model = _load(source.weights_dir, source.name)
     sizes: dict = {}
     for _, array in tree_flatten(model.parameters()):
         sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size

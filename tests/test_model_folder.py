@@ -1,0 +1,96 @@
+"""A model folder is random weights only when it holds no weights at all; incomplete weights are
+refused with what is missing."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import save_config, save_model
+
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.inputs import models, zoo
+
+
+def tiny_config() -> dict:
+    return zoo.miniature(zoo.by_name("tiny-moe").config)
+
+
+def saved(folder, dtype="float32", bits=None, config=None) -> tuple:
+    """A materialised random model saved as mlx-lm saves one: model.safetensors, its index, config."""
+    built = models.build(models.ModelSource("m", config or tiny_config()), dtype=dtype, bits=bits, seed=3)
+    built.materialise()
+    save_model(folder, built.model)
+    save_config(dict(built.config), folder / "config.json")
+    return folder, built
+
+
+def test_a_folder_with_only_a_config_is_random_weights_by_design(config_dir):
+    folder = config_dir(tiny_config())
+    source = models.resolve(str(folder))
+    assert not source.has_weights
+    assert models.build(source).layers == tiny_config()["num_hidden_layers"]
+
+
+def test_a_shard_the_index_names_but_the_folder_lacks_is_refused(tmp_path):
+    folder, _ = saved(tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    names = sorted(index["weight_map"])
+    # Half the tensors moved to a second shard that was never downloaded.
+    for name in names[: len(names) // 2]:
+        index["weight_map"][name] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(MacMoesdError, match=r"lacks 1 of the 2 weight files .*: model-00002-of-00002.safetensors"):
+        models.resolve(str(folder))
+
+
+def test_an_index_without_any_of_its_shards_is_refused_not_random(tmp_path):
+    folder, _ = saved(tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(MacMoesdError, match="lacks 1 of the 1 weight files .*: model.safetensors"):
+        models.resolve(str(folder))
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "consolidated.00.pth", "weights.safetensors",
+                                  "model-q4.gguf"])
+def test_weights_in_a_format_mlx_lm_does_not_load_are_refused(config_dir, name):
+    folder = config_dir(tiny_config())
+    (folder / name).write_bytes(b"\0")
+    with pytest.raises(MacMoesdError, match=f"holds weights mlx-lm does not load \\({name}\\)"):
+        models.resolve(str(folder))
+
+
+def test_a_tensor_the_model_expects_but_no_file_holds_is_refused(tmp_path):
+    folder, built = saved(tmp_path / "m")
+    weights = mx.load(str(folder / "model.safetensors"))
+    gone = "model.layers.1.self_attn.q_proj.weight"
+    assert gone in weights
+    del weights[gone]
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"][gone]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    source = models.resolve(str(folder))
+    with pytest.raises(MacMoesdError, match=f"lack 1 of the .* tensors the model expects \\({gone}\\)"):
+        models.build(source)
+    assert models.build(source, layers=1).layers == 1  # the slice needs no tensor of layer 1
+    with pytest.raises(MacMoesdError, match=gone.replace(".", r"\.")):
+        models.stored_format(source)
+
+
+def test_a_tensor_of_another_shape_is_refused(tmp_path):
+    folder, _ = saved(tmp_path / "m")
+    weights = mx.load(str(folder / "model.safetensors"))
+    name = "model.norm.weight"
+    weights[name] = mx.ones((weights[name].shape[0] + 1,))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    with pytest.raises(MacMoesdError, match=f"tensor {name} has shape"):
+        models.build(models.resolve(str(folder)))
+
+
+def test_a_complete_checkpoint_loads_its_own_values(tmp_path):
+    folder, built = saved(tmp_path / "m")
+    loaded = models.build(models.resolve(str(folder)))
+    loaded.materialise()
+    x = mx.array([[1, 2, 3]])
+    assert mx.array_equal(built.model(x), loaded.model(x)).item()
+
