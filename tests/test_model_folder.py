@@ -1,5 +1,5 @@
 """A model folder is random weights only when it holds no weights at all; incomplete weights are
-refused with what is missing."""
+refused with what is missing; a pre-quantized checkpoint is labelled with its own dtype."""
 
 import json
 
@@ -94,3 +94,21 @@ def test_a_complete_checkpoint_loads_its_own_values(tmp_path):
     x = mx.array([[1, 2, 3]])
     assert mx.array_equal(built.model(x), loaded.model(x)).item()
 
+
+def test_a_pre_quantized_bf16_checkpoint_is_labelled_bfloat16(tmp_path):
+    """mlx-lm quantizes a bfloat16 model with bfloat16 scales and biases; that is the dtype the
+    checkpoint computes in, whatever the suite's default (float32 on the CPU backend) is."""
+    folder, _ = saved(tmp_path / "q", dtype="bfloat16", bits=4)
+    assert "quantization" in json.loads((folder / "config.json").read_text())
+    built = models.build(models.resolve(str(folder)))
+    assert built.bits == 4 and built.dtype == "bfloat16"
+    scales = [v for k, v in models.tree_flatten(built.model.parameters()) if k.endswith(".scales")]
+    assert scales and {s.dtype for s in scales} == {mx.bfloat16}
+    # as stored, even where another dtype is asked for
+    assert models.build(models.resolve(str(folder)), dtype="float16").dtype == "bfloat16"
+
+
+def test_a_pre_quantized_float16_checkpoint_is_labelled_float16(tmp_path):
+    folder, _ = saved(tmp_path / "q", dtype="float16", bits=8)
+    built = models.build(models.resolve(str(folder)))
+    assert (built.bits, built.dtype) == (8, "float16")

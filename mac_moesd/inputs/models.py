@@ -33,7 +33,7 @@ from mac_moesd import mlxlm_compat
 from mac_moesd.inputs import hfcache, zoo
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet",
+__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
            "resolve", "stored_format", "weights_folder"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -295,6 +295,25 @@ def default_dtype() -> str:
     return "float16" if mx.default_device() == mx.gpu else "float32"
 
 
+def quantized_dtype(model: nn.Module) -> str:
+    """The dtype a pre-quantized model computes in, read from its tensors: that of its quantization
+    scales and biases; where its scales are not floating point (mxfp4, nvfp4: 8-bit exponents),
+    that of its other floating-point parameters. The largest share wins."""
+    sizes: dict = {}
+    for scale_dtypes_only in (True, False):
+        for path, array in tree_flatten(model.parameters()):
+            if mx.issubdtype(array.dtype, mx.floating) and (
+                    not scale_dtypes_only or path.endswith((".scales", ".biases"))):
+                sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size
+        if sizes:
+            break
+    names = {v: k for k, v in DTYPES.items()}
+    found = max(sizes, key=sizes.get) if sizes else None
+    if found not in names:
+        raise MacMoesdError(f"a pre-quantized model in {found} (known: {', '.join(DTYPES)})")
+    return names[found]
+
+
 def build(
     source: ModelSource,
     dtype: str | None = None,
@@ -303,7 +322,9 @@ def build(
     seed: int = 0,
 ) -> Built:
     """Build ``source`` lazily (no weights allocated) at ``dtype``, quantized to ``bits`` if given,
-    keeping its first ``layers`` decoder layers. Call ``materialise`` after the memory check."""
+    keeping its first ``layers`` decoder layers. Call ``materialise`` after the memory check.
+    A pre-quantized checkpoint runs as stored: its bits and dtype are its own (``quantized_dtype``),
+    whatever ``dtype`` and ``bits`` ask."""
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise MacMoesdError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
@@ -325,8 +346,9 @@ def build(
         raise MacMoesdError(f"cannot build {source.name} from its config: {err}") from None
     already_quantized = "quantization" in source.config and source.has_weights
     if already_quantized:
-        # Weights as stored: the checkpoint's own bits are the format the report and fit use.
+        # Weights as stored: the checkpoint's own bits and dtype are the format the report and fit use.
         bits = int(source.config["quantization"].get("bits", 4))
+        dtype = quantized_dtype(model)
     else:
         model.set_dtype(DTYPES[dtype])
         if bits is not None:
