@@ -14,6 +14,7 @@ from mac_moesd import __version__
 from mac_moesd.machine import blas
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.finite_json import finite_document
 from mac_moesd.reporting.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
 
 
@@ -76,7 +77,7 @@ class Cli(click.Group):
 def emit(document: dict, as_json: bool, render: Callable[[dict], str]) -> None:
     """Print ``document`` as one JSON document, or as the human rendering."""
     if as_json:
-        click.echo(json.dumps(document, indent=2, allow_nan=False))
+        click.echo(json.dumps(finite_document(document), indent=2, allow_nan=False))
     else:
         click.echo(render(document))
 
@@ -713,6 +714,8 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
         bar.update(1)
     for label, reason in outcome.skipped.items():
         warn(f"skipped {label}: {reason}")
+    for message in outcome.warnings:
+        warn(message)
     click.echo(f"report: {paths['markdown']}")
     click.echo(f"        {paths['html']}")
     if outcome.exit_status:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.finite_json import finite_document
 
 __all__ = ["SCHEMA", "ResultsBusy", "ResultsStore", "WriterLock", "load_results"]
 
@@ -130,7 +131,8 @@ def write_atomic(path: Path, document: dict) -> None:
     """Write JSON to a temp file in the same folder, fsync, then rename over ``path``.
 
     A failure (disk full, folder not writable) raises MacMoesdError and leaves the earlier file
-    as it was."""
+    as it was. A figure that came out NaN or infinite is written as null with its reason
+    (``finite_document``)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +141,7 @@ def write_atomic(path: Path, document: dict) -> None:
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; results are for sharing
         with os.fdopen(fd, "w") as f:
-            json.dump(document, f, indent=1, allow_nan=False)
+            json.dump(finite_document(document), f, indent=1, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

@@ -22,6 +22,8 @@ from typing import Any, Callable, Hashable, Iterator, Protocol
 import mlx.core as mx
 import numpy as np
 
+from mac_moesd.errors import MacMoesdError
+
 __all__ = ["Budget", "Drift", "Measurement", "Point", "Ranks", "calibrate", "drift", "launches",
            "measure", "per_launch", "summarise", "synchronised"]
 
@@ -169,6 +171,19 @@ def time_once(point: Point) -> float:
     return elapsed
 
 
+RETIMES = 3  # tries for a sample that came out non-finite (a rank's report lost, a clock fault)
+
+
+def finite_time(point: Point) -> float:
+    """``time_once``, retimed when the sample is not a finite, non-negative number of seconds;
+    raises after RETIMES tries, so no NaN sample reaches a median."""
+    for _ in range(RETIMES):
+        elapsed = time_once(point)
+        if math.isfinite(elapsed) and elapsed >= 0:
+            return elapsed
+    raise MacMoesdError(f"a timing came out {elapsed!r} {RETIMES} times in a row; the point was not recorded")
+
+
 def measure(
     points: dict[Hashable, Point],
     budget: Budget = Budget(),
@@ -206,7 +221,7 @@ def measure(
             order = [key for g in groups for key in order if group(key) == g]
         for key in order:
             for _ in range(budget.per_visit):
-                elapsed = time_once(points[key])
+                elapsed = finite_time(points[key])
                 samples[key].append(elapsed)
                 spent[key] += elapsed
             if finished(key):
