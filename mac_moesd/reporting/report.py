@@ -16,6 +16,7 @@ from pathlib import Path
 from mac_moesd.analysis import fit as fit_module
 from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
+from mac_moesd.reporting.serving_section import draw as draw_serving, serving_blocks
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.reporting.formatting import (measured_speedup, kv_lines, one_row_lines, pipelining_lines, routing_sentence,
@@ -448,7 +449,7 @@ def build_blocks(data: dict, figures: dict[str, Path]) -> list:
     d = Digest(data)
     return (_title(d) + pair_sections.pair_blocks(d, figures) + _verdict(d) + cluster_blocks(d)
             + _questions(d) + _roofline(d, figures) + _shape(d, figures) + _routing(d, figures)
-            + _what_ifs(d, figures) + _fit(d, figures) + _spec(d) + _method(d))
+            + _what_ifs(d, figures) + _fit(d, figures) + _spec(d) + serving_blocks(data, figures) + _method(d))
 
 
 # ---- renderings ----
@@ -536,6 +537,7 @@ def write_report(data: dict, folder: Path) -> dict[str, Path]:
     staging = Path(tempfile.mkdtemp(prefix=".report-", dir=folder))
     try:
         figures = plots.draw_all(Digest(data), staging / "figures")
+        figures.update(draw_serving(data, staging / "figures"))
         blocks = build_blocks(data, figures)
         (staging / "report.md").write_text(to_markdown(blocks))
         (staging / "report.html").write_text(to_html(blocks, figures))
