@@ -83,11 +83,12 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
                     max_prompts=QUICK_PROMPTS if quick else None)
 
 
-def stage_labels(plan: PairPlan) -> list[str]:
+def stage_labels(plan: PairPlan, serving: bool = False) -> list[str]:
     """The stages ``run_pair`` runs, in order (the report comes after them)."""
     return (["roofline", f"sweep {plan.target}"]
             + [f"routing {plan.target} on {p}" for p in plan.prompt_sets] + ["fit"]
-            + [f"spec {plan.target} on {p}" for p in plan.prompt_sets])
+            + [f"spec {plan.target} on {p}" for p in plan.prompt_sets]
+            + ([f"serving {plan.target}"] if serving else []))
 
 
 def fits_in_memory(plan: runner.Plan, usable_bytes: int) -> Callable[[str, str], str | None]:
@@ -155,9 +156,10 @@ def fit_target(plan: PairPlan, store: ResultsStore) -> None:
 
 def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | None,
              stage: runner.Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None,
-             memory_limit: int | None = None) -> runner.Outcome:
+             memory_limit: int | None = None, serving=None) -> runner.Outcome:
     """Measure every missing stage of the pair into ``store``; a stage that fails is skipped with
-    its reason and the stages after it still run (``run.isolated``)."""
+    its reason and the stages after it still run (``run.isolated``). ``serving``: the
+    ``serving_stage.ServingConfig`` of a last stage measuring mlx_lm.server on the pair."""
     base, data, outcome = plan.base, store.data, runner.Outcome()
     record_pair(store, plan)
 
@@ -204,4 +206,9 @@ def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | Non
             store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), usable()))
 
         run_stage(f"spec {plan.target} on {prompt_set}", measure_spec)
+    if serving is not None:
+        from mac_moesd.measure import serving_stage
+
+        run_stage(f"serving {plan.target}", lambda: serving_stage.pair_stage(
+            serving, plan.target_arg, plan.draft_arg, plan.prompt_sets, store, machine.backend, advance))
     return outcome

@@ -176,18 +176,19 @@ class StageProgress(sweep.Progress):
         self._advance(label)
 
 
-def stage_labels(plan: Plan) -> list[str]:
+def stage_labels(plan: Plan, serving: bool = False) -> list[str]:
     """The stages ``run_all`` runs, in order (the report comes after them)."""
     return ["roofline", *[f"sweep {m}" for m in plan.models], *[f"routing {m}" for m in plan.moe],
-            "fit", f"spec {plan.moe[0]}"]
+            "fit", f"spec {plan.moe[0]}", *(["serving"] if serving else [])]
 
 
 def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
             stage: Stage = lambda label: None, advance: Callable[[str], None] = lambda label: None,
-            memory_limit: int | None = None) -> Outcome:
+            memory_limit: int | None = None, serving=None) -> Outcome:
     """Measure every missing stage into ``store`` (each saved as soon as it is done). A stage that
     fails is skipped with its reason; the stages after it still run. Each stage plans within the
-    memory usable when it starts, capped by ``memory_limit`` bytes."""
+    memory usable when it starts, capped by ``memory_limit`` bytes. With ``serving``, a serving
+    stage is listed and skipped with why (the default models have random weights)."""
     data = store.data
     outcome = Outcome()
 
@@ -230,4 +231,8 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
         store.put("spec", key, document)
 
     run_stage(f"spec {target}", measure_spec)
+    if serving is not None:
+        from mac_moesd.measure import serving_stage
+
+        run_stage("serving", serving_stage.random_weights_stage)
     return outcome

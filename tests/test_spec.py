@@ -108,3 +108,54 @@ def test_a_timed_runs_speedup_carries_the_range_over_its_pairs():
     assert row["speedup_range"] == pytest.approx([1.0, 2.0])
     assert measured_speedup({**row, "repeats": 3}) == "1.25 (1.00-2.00)"
     assert measured_speedup({"measured_speedup": 1.25, "repeats": 3}) == "1.25"  # results made before ranges
+
+
+def test_mlx_lm_leaves_a_forward_queued_and_each_timed_run_waits_for_it_first(monkeypatch):
+    """mlx-lm's generate_step queues the forward after the last token it yields: a prompt's
+    forward plus one per yielded token, so 4 tokens make 5 forwards, the last never waited for.
+    ``paired`` synchronises both streams after every preparation, before the clock starts."""
+    from mlx_lm.generate import generate_step, generation_stream
+
+    from mac_moesd.inputs import models
+
+    built = models.build(models.resolve("tiny-moe"), None, None, None, seed=0)
+    built.materialise()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return built.model(*args, **kwargs)
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = [t for t, _ in generate_step(mx.array([1]), counted, max_tokens=4,
+                                          prompt_cache=make_prompt_cache(built.model))]
+    assert len(tokens) == 4 and len(calls) == 5
+
+    events = []
+    monkeypatch.setattr(spec.mx, "synchronize", lambda stream=None: events.append(
+        "wait generation" if stream is generation_stream else "wait default"))
+    spec.paired(lambda: events.append("plain"), lambda: events.append("sd"), 2,
+                lambda i: events.append(f"prepare {i}"))
+    ready = lambda i: [f"prepare {i}", "wait generation", "wait default"]  # noqa: E731
+    assert events == [*ready(0), "plain", *ready(0), "sd",  # the warm-up pair
+                      *ready(0), "plain", *ready(0), "sd", *ready(1), "plain", *ready(1), "sd",
+                      "prepare None"]
+
+
+def test_the_drafters_catch_up_is_evaluated_inside_the_timed_run():
+    """Self-draft accepts every draft, so every round ends with the drafter's catch-up forward;
+    after the decode returns, evaluating the drafter's cache must allocate nothing (nothing is
+    left to compute)."""
+    from mac_moesd.inputs import models
+    from mac_moesd.measure.spec_loop import Decoder
+
+    built = models.build(models.resolve("tiny-moe"), None, None, None, seed=0)
+    built.materialise()
+    decoder = Decoder(built.model, built.model, mx.random.randint(0, built.config["vocab_size"], (2, 9)))
+    decoded = decoder.speculative(6, 2, "self-draft")
+    assert set(decoded.per_round) == {2}
+    mx.synchronize()
+    mx.reset_peak_memory()
+    mx.eval([c.state for c in decoder.draft_cache])
+    assert mx.get_peak_memory() == 0

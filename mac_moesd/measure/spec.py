@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from mac_moesd.analysis import acceptance
@@ -111,22 +111,34 @@ def prompt_ids(cfg: SpecConfig, target_source, draft_source) -> PromptIds:
     return PromptIds(prompt_set.name, ids, encoding)
 
 
+def settle() -> None:
+    """Wait for every forward still queued. mlx-lm's ``generate_step`` queues step N+1 before it
+    yields token N and does not wait for it when the loop ends, so a timed run would otherwise
+    start by waiting for the previous run's leftover forward (on mlx-lm's generation stream)."""
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 def paired(plain, speculative, repeats: int, prepare) -> tuple[list[float], list[float], list, list]:
     """Alternate plain and speculative runs (after one warm-up of each, which compiles every
     shape), so drift and background load hit both alike. ``prepare(i)`` readies pair i (its
-    prompt, caches back to the prefill) outside the timed region. Returns both lists of times
-    and of results."""
-    prepare(0)
+    prompt, caches back to the prefill) outside the timed region, which then waits for the
+    device to finish all earlier work (``settle``). Returns both lists of times and of results."""
+    def ready(index):
+        prepare(index)
+        settle()
+
+    ready(0)
     plain()
-    prepare(0)
+    ready(0)
     speculative()
     plain_times, spec_times, plain_out, spec_out = [], [], [], []
     for i in range(repeats):
-        prepare(i)
+        ready(i)
         start = time.perf_counter()
         plain_out.append(plain())
         plain_times.append(time.perf_counter() - start)
-        prepare(i)
+        ready(i)
         start = time.perf_counter()
         spec_out.append(speculative())
         spec_times.append(time.perf_counter() - start)
