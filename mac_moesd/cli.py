@@ -629,9 +629,11 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
               show_default=True, help="With --ranks: how the model is split.")
 @click.option("--link-gbps", type=click.FloatRange(0, min_open=True), default=None,
               help="With --ranks: link between machines in Gb/s [default: 80, Thunderbolt 5].")
+@click.option("--serving", is_flag=True,
+              help="Also measure mlx_lm.server on the pair at several concurrencies (see `mac-moesd serving`).")
 @json_option
 def run_command(quick, full, models, target, draft, prompt_sets, out, memory_limit, dry_run, chip,
-                memory_gib, ranks, parallel, link_gbps, as_json) -> None:
+                memory_gib, ranks, parallel, link_gbps, serving, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
 
     With --target and --draft, all of it for your own pair instead: the target's sweep with the
@@ -665,13 +667,16 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
     if dry_run:
         cluster = (ranks, parallel, link_gbps) if ranks > 1 else None
         document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target, draft,
-                                    cluster)
+                                    cluster, serving)
         emit(document, as_json, render_plan)
         return
     if as_json:
         raise click.UsageError("--json goes with --dry-run (a run writes its results to OUT)")
     limit = memory_limit_bytes(memory_limit)
     machine, meta, store = open_store(out, per_chip=True)
+    from mac_moesd.measure import serving_stage
+
+    serving_cfg = serving_stage.stage_config(quick) if serving else None
     chosen = None
     if target:
         chosen = pair.pair_plan(machine.backend, quick, target, draft, sets)
@@ -686,16 +691,16 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
             warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
                  "models (the report says so)")
     if chosen is not None:
-        stages = [*pair.stage_labels(chosen), "report"]
+        stages = [*pair.stage_labels(chosen, serving), "report"]
         measure = lambda stage, advance: pair.run_pair(  # noqa: E731
-            chosen, store, machine, machine.to_dict()["spec"], stage, advance, limit)
+            chosen, store, machine, machine.to_dict()["spec"], stage, advance, limit, serving_cfg)
     else:
         plan = runner.default_plan(machine.backend, quick, full)
         if models:
             plan = runner.with_models(plan, tuple(m.strip() for m in models.split(",") if m.strip()))
-        stages = [*runner.stage_labels(plan), "report"]
+        stages = [*runner.stage_labels(plan, serving), "report"]
         measure = lambda stage, advance: runner.run_all(  # noqa: E731
-            plan, store, machine, machine.to_dict()["spec"], stage, advance, limit)
+            plan, store, machine, machine.to_dict()["spec"], stage, advance, limit, serving_cfg)
     bar = click.progressbar(length=len(stages), label="run", file=sys.stderr, show_eta=True,
                             item_show_func=lambda item: item)
     with bar:
@@ -732,9 +737,10 @@ def memory_limit_bytes(limit_gib: float | None) -> int | None:
 
 
 def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target=None,
-                     draft=None, cluster=None) -> dict:
+                     draft=None, cluster=None, serving=False) -> dict:
     """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated.
-    ``cluster`` (ranks, parallel, link Gb/s): the sharded sweeps over that many such machines."""
+    ``cluster`` (ranks, parallel, link Gb/s): the sharded sweeps over that many such machines;
+    ``serving``: with the serving stage."""
     from mac_moesd.machine import hardware, memory
     from mac_moesd import pair, plan
     from mac_moesd import run as runner
@@ -780,6 +786,10 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, t
     document = plan.dry_run(chosen, backend, name, total, usable, rates, pair=None if models else found)
     if found is not None:
         document["pair"] = {"target": found.target, "draft": found.draft, "found": found.found}
+    if serving:
+        from mac_moesd.measure import serving_stage
+
+        serving_stage.add_to_plan(document, found, quick, backend)
     return document
 
 

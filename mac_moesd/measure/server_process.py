@@ -101,7 +101,7 @@ def served_folder(model: str) -> Path:
     return path
 
 
-def _stored_dtypes(folder: Path) -> set[str]:
+def stored_dtypes(folder: Path) -> set[str]:
     """The dtypes of a folder's safetensors tensors, from their headers (8-byte length, then
     JSON: the safetensors format), without loading any weights."""
     dtypes = set()
@@ -117,7 +117,7 @@ def cpu_servable(folder: Path, copies: Path) -> tuple[Path, dict]:
     """``folder``, or on MLX's CPU backend a float32 copy of it under ``copies`` when its weights
     are stored in 16-bit floats: there the MoE layers' ``gather_mm`` runs float32 only, so
     mlx_lm.server would fail on the first request. Returns (folder to serve, note to record)."""
-    half = _stored_dtypes(folder) & {"F16", "BF16"}
+    half = stored_dtypes(folder) & {"F16", "BF16"}
     if not half:
         return folder, {}
     import shutil

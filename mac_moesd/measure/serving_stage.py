@@ -286,3 +286,84 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
         doc["complete"] = True
         store.put("serving", key, doc)
     return doc
+
+
+# ---- the stage of `mac-moesd run --serving` ----
+
+QUICK = {"concurrency": (1, 4, 16), "tokens": 64, "window_s": 10.0, "warmup_s": 3.0}
+SERVER_START_S = 15.0  # launching a server and loading a small model, before weights are read
+
+
+def stage_config(quick: bool) -> ServingConfig:
+    """The serving stage of a pair run (target, drafter and prompt sets filled in by the run)."""
+    return ServingConfig(**QUICK) if quick else ServingConfig()
+
+
+def random_weights_stage() -> None:
+    """The serving stage of a run on the zoo's random-weight models: always skipped, with why."""
+    raise MacMoesdError(RANDOM_WEIGHTS)
+
+
+def pair_stage(template: ServingConfig, target: str, draft: str, prompt_sets: tuple[str, ...],
+               store: ResultsStore, backend: str, advance: Callable[[str], None]) -> None:
+    """The serving stage of a pair run, unless the results already hold a complete one."""
+    from dataclasses import replace
+
+    from mac_moesd.inputs import models
+
+    key = f"{models.resolve(target).name}|{models.resolve(draft).name}"
+    if store.data.get("serving", {}).get(key, {}).get("complete"):
+        return
+    run_serving(replace(template, target=target, draft=draft, prompts=prompt_sets), store, backend, advance)
+
+
+def dry_run_stage(template: ServingConfig, target: str, draft: str, prompt_sets: tuple[str, ...],
+                  backend: str, bandwidth_bytes_s: float | None) -> dict:
+    """The serving stage's peak memory and duration, allocating nothing: target and drafter
+    weights (float32 on the CPU backend, as served there) and both models' KV caches for the
+    largest concurrency at the prompts' length plus the generated tokens (in mlx-lm's 256-token
+    steps); the legs' warm-ups and windows, and each server's start and weight load."""
+    from mac_moesd.inputs import models
+    from mac_moesd.machine import memory
+
+    weights, kv = 0, 0
+    slots = -(-(prompt_tokens_estimate(prompt_sets) + template.tokens) // memory.KV_STEP) * memory.KV_STEP
+    for name in (target, draft):
+        folder = server_process.served_folder(name)
+        widen = 2 if backend == "cpu" and server_process.stored_dtypes(folder) & {"F16", "BF16"} else 1
+        weights += widen * sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
+        config = models.resolve(name).config
+        dtype_bytes = 4 if backend == "cpu" else 2
+        kv += memory.kv_bytes_per_slot(config, dtype_bytes) * config["num_hidden_layers"] * slots
+    peak = weights + kv * max(template.concurrency)
+    legs = 2 * len(prompt_sets) * len(template.concurrency)
+    load = 2 * weights / bandwidth_bytes_s if bandwidth_bytes_s else 0.0
+    return {"stage": f"serving {models.resolve(target).name}", "models": [target, draft], "peak_bytes": int(peak),
+            "eta_s": legs * (template.warmup_s + template.window_s) + 2 * SERVER_START_S + load,
+            "parts": {"weights": int(weights), "kv": int(kv * max(template.concurrency))}}
+
+
+def prompt_tokens_estimate(prompt_sets: tuple[str, ...]) -> int:
+    """A generous prompt length for the memory estimate: the longest prompt's characters (a token
+    is rarely shorter than one character), plus the request's own first line."""
+    return max(len(p) for s in prompt_sets for p in load_prompts(s).prompts) + 16
+
+
+RANDOM_WEIGHTS = ("the default models have random weights, and a server measurement needs a trained pair: "
+                  "run --target MODEL --draft MODEL --serving")
+
+
+def add_to_plan(document: dict, pair, quick: bool, backend: str) -> None:
+    """Append the serving stage to a dry run's document (``plan.dry_run``) of a pair run, or,
+    without a pair, the stage as skipped with why."""
+    stage = {"stage": "serving", "models": [], "peak_bytes": 0, "eta_s": 0.0, "skipped": RANDOM_WEIGHTS}
+    if pair is not None:
+        try:
+            stage = dry_run_stage(stage_config(quick), pair.target_arg, pair.draft_arg, pair.prompt_sets, backend,
+                                  document["rates"]["bandwidth_bytes_s"])
+        except MacMoesdError as err:
+            stage = {"stage": f"serving {pair.target}", "models": [pair.target_arg, pair.draft_arg],
+                     "peak_bytes": 0, "eta_s": 0.0, "skipped": str(err)}
+    stage["fits"] = stage["peak_bytes"] <= document["usable_bytes"]
+    document["stages"].append(stage)
+    document["eta_s"] += stage["eta_s"]
