@@ -208,6 +208,20 @@ def _cache_list_present() -> bool:
         return False
 
 
+def _cache_layouts_present() -> bool:
+    """Every cache class this mlx-lm has keeps the state layout ``cache_copy`` copies (a class it
+    no longer has cannot be met)."""
+    from mac_moesd.measure.cache_copy import LAYOUTS
+
+    cache = importlib.import_module("mlx_lm.models.cache")
+    settings = {"RotatingKVCache": {"max_size": 4}, "ChunkedKVCache": {"chunk_size": 4}, "ArraysCache": {"size": 1}}
+    try:
+        return all(len(getattr(cache, name)(**settings.get(name, {})).state) == len(layout)
+                   for name, layout in LAYOUTS.items() if hasattr(cache, name))
+    except TypeError:  # a constructor that changed
+        return False
+
+
 PRIVATE_NAMES = (
     PrivateName("mlx_lm.utils._get_classes", "building any model", True, _has("mlx_lm.utils", "_get_classes")),
     PrivateName("mlx_lm.models.switch_layers._gather_sort", "sweep --gather sorted", True,
@@ -220,6 +234,8 @@ PRIVATE_NAMES = (
                 "routing, every MoE sweep (its expert counts) and --parallel expert", False, _switch_call_present),
     PrivateName("CacheList.caches", "sweep and SD of models whose caches are CacheLists", False,
                 _cache_list_present),
+    PrivateName("the state layout of each prompt-cache class", "sweep and SD (copying and rolling back caches)",
+                False, _cache_layouts_present),
 )
 
 

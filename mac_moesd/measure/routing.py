@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from mac_moesd import mlxlm_compat
 from mac_moesd.machine import memory
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -91,8 +92,9 @@ def controlled_switches(model: nn.Module, always_sort: bool = False):
     if all(hasattr(m, "_switch_control") for m in switches):
         yield [m._switch_control for m in switches]
         return
-    if always_sort:
-        for module in switches:
+    for module in switches:
+        mlxlm_compat.check_switch_call(type(module), "counting and forcing the experts a model routes to")
+        if always_sort:
             check_sortable(module)
     originals = [m.__class__ for m in switches]
     controls = [SwitchControl() for _ in switches]

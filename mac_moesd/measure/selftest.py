@@ -139,11 +139,32 @@ def check_results_roundtrip() -> str:
     return "write_atomic then load_results returns the same document"
 
 
+def check_mlx_lm() -> str:
+    """The installed mlx-lm against the tested range, and each private name the suite reaches
+    through ``mlxlm_compat``: a missing one with a local twin is named; one without fails the
+    check, naming the stages that will be skipped."""
+    from mac_moesd import mlxlm_compat
+
+    version = mlxlm_compat.installed_version()
+    where = "in" if mlxlm_compat.in_tested_range(version) else "outside"
+    missing = mlxlm_compat.missing_names()
+    parts = [f"mlx-lm {version} is {where} the tested range {mlxlm_compat.TESTED_RANGE}"]
+    parts += [f"{p.name} is gone: a local twin stands in" for p in missing if p.twin]
+    gone = [f"{p.name} is gone or changed: {p.used_by} will be skipped" for p in missing if not p.twin]
+    if gone:
+        raise SelftestFailed("; ".join(parts + gone))
+    if not missing:
+        parts.append("every private name the suite uses is as tested" if where == "in" else
+                     "every private name the suite uses is present, but this version is untested")
+    return "; ".join(parts)
+
+
 CHECKS: dict[str, Callable[[kernels.Kernels], str]] = {
     **{f"kernel {name}": (lambda k, name=name: check_kernel(name, k)) for name in kernels.NAMES},
     "K-launch timing is linear": lambda k: check_launch_scaling(k),
     "memory guard": lambda k: check_memory_guard(),
     "results round trip": lambda k: check_results_roundtrip(),
+    "mlx-lm version": lambda k: check_mlx_lm(),
 }
 
 

@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+from mac_moesd import mlxlm_compat
 from mac_moesd.errors import BadInput
 
 __all__ = ["MODES", "ExpertSlice", "SummedBlock", "shard", "supports"]
@@ -105,6 +106,7 @@ def _split_experts(switch: nn.Module, group: mx.distributed.Group, experts: int)
     n, rank = group.size(), group.rank()
     if experts % n:
         raise BadInput(f"--parallel expert needs the {experts} experts to divide over {n} ranks")
+    mlxlm_compat.check_switch_call(type(switch), "--parallel expert")
     shard_inplace(switch, lambda path, weight: 0, group=group)  # stacked experts: axis 0
     switch._first, switch._count = rank * (experts // n), experts // n  # plain attributes
     switch.__class__ = _sliced_class(switch.__class__)
