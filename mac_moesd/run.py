@@ -135,13 +135,14 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
 
 def measure_roofline(plan: Plan, store: ResultsStore, spec_dict: dict | None, backend: str,
                      usable_bytes: int, advance: Callable[[str], None]) -> None:
-    """The roofline stage, unless results already hold one."""
+    """The roofline stage, unless results already hold one; shrunk to fit ``usable_bytes``
+    (``roofline.fit_memory``), as it says in its document."""
     if "roofline" in store.data:
         return
-    roofline.validate(plan.roofline, usable_bytes)
+    cfg, shrunk = roofline.fit_memory(plan.roofline, usable_bytes)
     memory.start_stage()
-    store.data["roofline"] = roofline.run_roofline(plan.roofline, spec_dict, backend, advance,
-                                                   usable_bytes=usable_bytes)
+    store.data["roofline"] = roofline.run_roofline(cfg, spec_dict, backend, advance,
+                                                   usable_bytes=usable_bytes, shrunk=shrunk)
     store.save()
 
 

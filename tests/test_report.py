@@ -153,7 +153,8 @@ def tiny_plan():
                    routing_batches=(1, 2, 4),
                    roofline=roofline.RooflineConfig(sizes=(64 * 1024,), gemv_bytes=2**20, matmul_n=64,
                                                     qmm_shape=(128, 128), qmm_tokens=(1, 2, 4),
-                                                    plateau_from=64 * 1024, budget=budget))
+                                                    plateau_from=64 * 1024, budget=budget,
+                                                    distinct_bytes=256 * 1024))
 
 
 class Machine:

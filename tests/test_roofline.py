@@ -1,5 +1,7 @@
 import json
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -13,6 +15,7 @@ from mac_moesd.cli import cli
 TINY = roofline.RooflineConfig(
     sizes=(64 * 1024, 256 * 1024), gemv_bytes=2**20, matmul_n=64, qmm_shape=(128, 128),
     qmm_tokens=(1, 2, 4, 8), plateau_from=256 * 1024, budget=TINY_BUDGET, fma_iterations=8,
+    distinct_bytes=2**20,  # past the plateau, in a few copies: the tests' stand-in for 256 MiB
 )
 needs_metal = pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal device")
 
@@ -191,3 +194,113 @@ def test_validate_budgets_what_the_roofline_allocates():
     roofline.validate(cfg, roofline.peak_bytes(cfg))
     with pytest.raises(roofline.BadInput, match="usable here"):
         roofline.validate(cfg, roofline.peak_bytes(cfg) - 1)
+
+
+def test_weight_copies_are_distinct_and_hold_the_floor():
+    one = 64 * 64 * 4  # a 64 x 64 float32 weight: 16 KiB
+    copies = roofline.weight_copies(lambda: (mx.random.uniform(shape=(64, 64)),), 4 * one + 1)
+    assert len(copies) == 5  # four copies hold 1 byte short of the floor
+    for i, (a,) in enumerate(copies):
+        for (b,) in copies[i + 1:]:
+            assert a is not b and not mx.array_equal(a, b).item()
+    assert len(roofline.weight_copies(lambda: (mx.zeros((64, 64)),), 1)) == 1
+
+
+def test_a_chain_turns_through_the_copies_across_evaluations():
+    used = []
+    copies = [(mx.array([float(k)]),) for k in range(3)]
+    step = roofline._chain(lambda x, w: used.append(int(w.item())) or x, copies, mx.zeros((1, 1)))
+    from mac_moesd.measure import timing
+
+    for _ in range(2):
+        timing.chained(step, 2).run()
+    assert used == [0, 1, 2, 0]  # the second evaluation starts where the first stopped
+
+
+def test_gemv_and_qmm_rows_stream_distinct_copies_past_the_floor():
+    doc = roofline.run_roofline(TINY, spec=None, backend="cpu")
+    # TINY's 1 MiB GEMV weight is 512 x 512 (square below 4096 columns); float32 on the CPU backend.
+    # q4: 512*512/2 packed + 2 * 512 * (512/64) * 4 scales and biases = 160 KiB: 7 copies hold 1 MiB;
+    # q8: 256 KiB + 32 KiB = 288 KiB: 4 copies; float16: 512 KiB: 2; float32: 1 MiB: 1.
+    expected = {"float32": (2**20, 1), "float16": (2**19, 2), "q8": (288 * 1024, 4), "q4": (160 * 1024, 7)}
+    assert {k: (r["bytes"], r["copies"]) for k, r in doc["gemv"].items()} == expected
+    for row in [*doc["gemv"].values(), *doc["qmm_curve"]]:
+        assert row["distinct_bytes"] >= TINY.distinct_bytes
+    # the 128 x 128 quantized-matmul weight, 4-bit: 8 KiB + 2 KiB, so 103 copies hold 1 MiB
+    assert {(r["bits"], r["copies"]) for r in doc["qmm_curve"]} == {(4, 103), (8, 57)}  # 8-bit: 18 KiB
+    assert doc["shrunk"] is None and doc["distinct_bytes"] == 2**20
+
+
+def test_the_ceiling_comes_from_rows_past_the_caches():
+    bandwidth = {"read": 100.0, "copy": 90.0, "triad": 95.0, "gemv_q4": 400.0, "gemv_float16": 110.0}
+    gemv = {"q4": {"distinct_bytes": 20 * 2**20}, "float16": {"distinct_bytes": 256 * 2**20}}
+    # an 18-20 MiB 4-bit weight fits a Max chip's system-level cache: its 400 GB/s is no ceiling
+    assert roofline.ceiling_of(bandwidth, gemv, 256 * 2**20) == "gemv_float16"
+    assert roofline.ceiling_of(bandwidth, gemv, 16 * 2**20) == "gemv_q4"
+
+
+def test_the_default_roofline_shrinks_to_a_faked_8gb_mac(monkeypatch, tmp_path):
+    from mac_moesd.machine import hardware, memory
+
+    with monkeypatch.context() as m:  # an 8 GB M1: working set 2/3 of RAM, vm_stat of macOS 13
+        text = (Path(__file__).parent / "data" / "vm_stat_macos13_m1_8gb_handwritten.txt").read_text()
+        m.setattr(mx.metal, "is_available", lambda: True)
+        m.setattr(hardware, "mlx_device_info", lambda: {"max_recommended_working_set_size": 8 * 2**30 * 2 // 3})
+        m.setattr(hardware, "run_tool", lambda argv: text)
+        m.setattr(memory, "mlx_held_bytes", lambda: 0)
+        usable = memory.usable().usable_bytes
+    # free pages 3_081_601_024 bytes (test_memory) under the 5.3 GiB working set, less 5%
+    assert usable == 3_081_601_024 - int(3_081_601_024 * memory.MARGIN)
+    full = roofline.RooflineConfig()
+    # default peak: a and b of 1 GiB and 2 GiB of launch outputs; without the 1 GiB size the
+    # peak is two 256 MiB arrays and the 1 GiB launch floor
+    assert roofline.peak_bytes(full) == 4 * 2**30
+    cfg, shrunk = roofline.fit_memory(full, usable)
+    assert cfg.sizes == tuple(MiB * s for s in (1, 4, 16, 64, 256)) and cfg.gemv_bytes == full.gemv_bytes
+    assert shrunk == {"usable_bytes": usable, "plateau_reached": True,
+                      "from": {"sizes_bytes": list(full.sizes), "gemv_bytes": 512 * MiB,
+                               "min_launch_bytes": 2**30, "peak_bytes": 4 * 2**30},
+                      "to": {"sizes_bytes": list(cfg.sizes), "gemv_bytes": 512 * MiB,
+                             "min_launch_bytes": 2**30, "peak_bytes": 3 * 2**29}}
+    assert roofline.fit_memory(full, 4 * 2**30) == (full, None)
+
+    # `run` measures it shrunk (here at the tests' sizes), not skipped, and the report says so
+    from mac_moesd import run as runner
+    from mac_moesd.reporting import report
+    from mac_moesd.results import ResultsStore
+
+    seen = {}
+    real = roofline.run_roofline
+
+    def small(cfg, *args, shrunk=None, **kw):
+        seen["cfg"] = cfg
+        return real(TINY, *args, shrunk=shrunk, **kw)
+
+    monkeypatch.setattr(roofline, "run_roofline", small)
+    store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu"})
+    outcome = runner.Outcome()
+    plan = replace(runner.default_plan("cpu", quick=False), roofline=full)
+    runner.isolated(store, outcome, "roofline",
+                    lambda: runner.measure_roofline(plan, store, None, "cpu", usable, lambda label: None))
+    assert outcome.ran == ["roofline"] and outcome.skipped == {}
+    assert seen["cfg"] == cfg and store.data["roofline"]["shrunk"] == shrunk
+    md = report.to_markdown(report.build_blocks(store.data, {}))
+    assert ("> Shrunk to fit memory: the configured roofline peaks at 4.0 GiB and 2.7 GiB was usable, so it ran "
+            "with STREAM arrays up to 256 MiB (not 1.0 GiB), peaking at 1.5 GiB.") in md
+
+
+MiB = roofline.MiB
+
+
+def test_shrinking_keeps_a_size_past_the_plateau_and_refuses_below_the_smallest():
+    full = roofline.RooflineConfig()
+    # At 1 GiB: without the 1 GiB size the peak is 1.5 GiB (two 256 MiB arrays, 1 GiB of launch
+    # outputs); halving the launch floor to 512 MiB leaves the GEMV step on top: four 80 MiB 4-bit
+    # copies of the 512 MiB weight plus its float32 source twice, 1344 MiB; the weight halved to
+    # 256 MiB needs seven 40 MiB copies (280 MiB) or four 72 MiB 8-bit ones (288 MiB) plus 512 MiB,
+    # and the peak is the STREAM step's 2 x 256 MiB + 512 MiB = 1 GiB.
+    cfg, shrunk = roofline.fit_memory(full, 2**30)
+    assert max(cfg.sizes) == 256 * MiB and cfg.min_launch_bytes == 256 * MiB and cfg.gemv_bytes == 256 * MiB
+    assert roofline.peak_bytes(cfg) == 2**30 and shrunk["plateau_reached"]
+    with pytest.raises(roofline.BadInput, match="usable here"):
+        roofline.fit_memory(full, 100 * MiB)

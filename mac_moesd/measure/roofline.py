@@ -6,12 +6,20 @@ really sees, a matrix-vector product over a large weight matrix (float and quant
 square matmuls per dtype, the FMA kernel on Metal, and quantized matmul against a realistic weight
 matrix as the number of tokens grows, the GEMV-to-GEMM transition that decides where decode turns
 compute-bound. Ridge RP = peak FLOPS / sustained bandwidth (LLM-Viewer's roofline model).
+
+GEMV and quantized-matmul launches form a chain (each reads the previous output, as a decode's
+layers do) over distinct weight copies of ``distinct_bytes`` in all: one weight re-read K times
+in one evaluation would be served from the system-level cache of Pro, Max and Ultra chips (their
+quick 4-bit weights fit it), and a cache-speed row would become the chip's "bandwidth". Where the
+configured sizes do not fit usable memory, ``fit_memory`` shrinks them and says what it changed.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -22,7 +30,7 @@ from mac_moesd.measure import kernels, timing
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput
 
-__all__ = ["RooflineConfig", "knee_tokens", "run_roofline"]
+__all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "run_roofline", "weight_copies"]
 
 MiB = 2**20
 
@@ -39,6 +47,15 @@ class RooflineConfig:
     budget: timing.Budget = field(default_factory=timing.Budget)
     fma_iterations: int = 4096
     min_eval_s: float = timing.MIN_EVAL_S  # K launches per timed eval last at least this
+    # GEMV and quantized-matmul weights are copied until the copies hold this much: past the
+    # largest system-level cache of an Apple chip (tens of MB on Max and Ultra), so no launch of
+    # a chain finds its weight cached. Tests lower it to keep their copies small.
+    distinct_bytes: int = 256 * MiB
+    min_launch_bytes: int = 2**30  # K launch outputs of one timed eval may hold at least this
+
+    def __post_init__(self):
+        if self.qmm_shape[0] != self.qmm_shape[1]:
+            raise ValueError("qmm_shape must be square: each launch of a chain reads the previous output")
 
 
 QUICK = RooflineConfig(
@@ -67,23 +84,100 @@ def sizes_from_mib(mib: tuple[float, ...]) -> tuple[int, ...]:
 
 def launch_bytes(cfg: RooflineConfig, cap_bytes: int | None = None) -> int:
     """Bytes the K outputs of one timed eval may hold (K is capped to fit): two of the largest
-    arrays, and at least 1 GiB so a 128 MiB copy still gets several launches."""
-    return max(2 * max(max(cfg.sizes), cap_bytes or 0), 2**30)
+    arrays, and at least ``min_launch_bytes`` (1 GiB) so a 128 MiB copy still gets several
+    launches."""
+    return max(2 * max(max(cfg.sizes), cap_bytes or 0), cfg.min_launch_bytes)
+
+
+def gemv_shape(gemv_bytes: int) -> tuple[int, int]:
+    """(rows, cols) of the GEMV weight: GEMV_COLS wide, or square below that, and never fewer
+    rows than columns, so the first ``cols`` outputs of one launch are the next one's input."""
+    side = max(math.isqrt(gemv_bytes // 4) // 64 * 64, 64)
+    cols = min(GEMV_COLS, side)
+    return max(gemv_bytes // (cols * 4), cols), cols
+
+
+def copies_needed(copy_bytes: int, floor: int) -> int:
+    """How many copies of ``copy_bytes`` hold at least ``floor`` bytes (at least one)."""
+    return max(1, -(-floor // copy_bytes))
+
+
+def quantized_bytes(rows: int, cols: int, bits: int, itemsize: int) -> int:
+    """A (rows, cols) weight quantized in groups of 64: packed values plus a scale and a bias
+    per group in the source dtype."""
+    return rows * cols * bits // 8 + 2 * rows * (cols // 64) * itemsize
+
+
+def _chained_weights_bytes(rows: int, cols: int, floor: int) -> int:
+    """Peak of one weight's chained launches, counted in float32 (the widest source): every
+    float copy, or every quantized copy plus the float source being quantized and one
+    temporary of its size."""
+    source = rows * cols * 4
+    floats = copies_needed(source, floor) * source
+    quantized = max(copies_needed(q, floor) * q for q in (quantized_bytes(rows, cols, b, 4) for b in (4, 8)))
+    return max(floats, quantized + 2 * source)
 
 
 def peak_bytes(cfg: RooflineConfig, cap_bytes: int | None = None) -> int:
     """The most the roofline holds at once: its largest step, as each function below allocates.
 
     stream: arrays a and b, then either K launch outputs or one verified output plus chunked
-    check temporaries; gemv: the weight in float32 plus its quantized copy (at most 1.5x);
-    matmul: two n x n float32 operands plus K outputs.
+    check temporaries; gemv and quantized matmul: their weight copies (``weight_copies``) and
+    the source being quantized; matmul: two n x n float32 operands plus K outputs.
     """
     big = max(max(cfg.sizes), cap_bytes or 0)
     allowance = launch_bytes(cfg, cap_bytes)
     stream = 2 * big + max(allowance, big + CHECK_TEMP_BYTES)
-    gemv = max(cfg.gemv_bytes, GEMV_COLS * 4 * 64) * 3 // 2
+    gemv = _chained_weights_bytes(*gemv_shape(cfg.gemv_bytes), cfg.distinct_bytes)
+    out, cols = cfg.qmm_shape
+    # every point's input and its chain's two live outputs (all points are timed together)
+    qmm = _chained_weights_bytes(out, cols, cfg.distinct_bytes) + 3 * sum(cfg.qmm_tokens) * cols * 4
     matmul = 2 * cfg.matmul_n**2 * 4 + allowance
-    return max(stream, gemv, matmul)
+    return max(stream, gemv, qmm, matmul)
+
+
+MIN_GEMV_BYTES = 64 * MiB  # a GEMV weight shrunk no further: still past the caches of a base chip
+MIN_LAUNCH_BYTES = 256 * MiB
+
+
+def _smaller(cfg: RooflineConfig) -> RooflineConfig | None:
+    """One step down in memory, cheapest loss first: a STREAM size above the smallest one at or
+    past the plateau; then the launch allowance and the GEMV weight, halved; then STREAM sizes
+    below the plateau. None when nothing is left to shrink."""
+    past = sorted(s for s in cfg.sizes if s >= cfg.plateau_from)
+    if len(past) > 1:
+        return replace(cfg, sizes=tuple(s for s in cfg.sizes if s != past[-1]))
+    if cfg.min_launch_bytes > MIN_LAUNCH_BYTES:
+        return replace(cfg, min_launch_bytes=cfg.min_launch_bytes // 2)
+    if cfg.gemv_bytes > MIN_GEMV_BYTES:
+        return replace(cfg, gemv_bytes=max(cfg.gemv_bytes // 2, MIN_GEMV_BYTES))
+    if len(cfg.sizes) > 1:
+        return replace(cfg, sizes=tuple(s for s in cfg.sizes if s != max(cfg.sizes)))
+    return None
+
+
+def _shape_of(cfg: RooflineConfig) -> dict:
+    return {"sizes_bytes": list(cfg.sizes), "gemv_bytes": cfg.gemv_bytes,
+            "min_launch_bytes": cfg.min_launch_bytes, "peak_bytes": peak_bytes(cfg)}
+
+
+def fit_memory(cfg: RooflineConfig, usable_bytes: int | None) -> tuple[RooflineConfig, dict | None]:
+    """``cfg`` shrunk (``_smaller``) until its peak fits ``usable_bytes``, and what was shrunk:
+    None when it fit as configured, else ``usable_bytes``, ``from`` and ``to`` (STREAM sizes,
+    GEMV weight, least launch allowance and peak, in bytes) and ``plateau_reached`` (a STREAM size at
+    or past ``plateau_from`` is left). An 8 GB Mac has 3-4 GiB usable, under the default's 4
+    GiB peak. Refuses (``validate``) when even the smallest configuration does not fit."""
+    shrunk = cfg
+    while usable_bytes is not None and peak_bytes(shrunk) > usable_bytes:
+        smaller = _smaller(shrunk)
+        if smaller is None:
+            break
+        shrunk = smaller
+    validate(shrunk, usable_bytes)
+    if shrunk == cfg:
+        return cfg, None
+    return shrunk, {"usable_bytes": usable_bytes, "from": _shape_of(cfg), "to": _shape_of(shrunk),
+                    "plateau_reached": max(shrunk.sizes) >= cfg.plateau_from}
 
 
 def validate(cfg: RooflineConfig, available_bytes: int | None, cap_bytes: int | None = None) -> None:
@@ -171,30 +265,69 @@ def verify_stream(k: kernels.Kernels, a, b, s: float) -> None:
                   lambda lo, hi: kernels.triad_twin(a[lo:hi], b[lo:hi], s))
 
 
+def weight_copies(make: Callable[[], tuple], floor: int) -> list[tuple]:
+    """Copies of a weight, each ``make()`` (new random values, evaluated one at a time so only
+    one float source lives), until they hold at least ``floor`` bytes in all."""
+    copies, total = [], 0
+    while not copies or total < floor:
+        arrays = tuple(make())
+        mx.eval(*arrays)
+        copies.append(arrays)
+        total += sum(a.nbytes for a in arrays)
+    return copies
+
+
+def _stochastic(rows: int, cols: int, dtype):
+    """A weight whose rows sum to about 1 (uniform in [0, 2/cols)): a chain of launches keeps
+    its values near the input's scale, never overflowing nor decaying to denormals."""
+    return mx.random.uniform(0.0, 2.0 / cols, (rows, cols), dtype=dtype)
+
+
+def _chain(launch: Callable, copies: list[tuple], first) -> Callable:
+    """``timing.chained``'s step: launch ``launch(x, *copy)`` on the next copy in turn (the turn
+    carries over between evaluations, so a short chain does not start on the copies the last
+    one left cached), fed the previous output's first columns."""
+    turn = itertools.count()
+    cols = first.shape[-1]
+
+    def step(i, prev):
+        x = first if prev is None else prev[..., :cols]
+        return launch(x, *copies[next(turn) % len(copies)])
+
+    return step
+
+
+def _copies_row(copies: list[tuple]) -> dict:
+    one = sum(a.nbytes for a in copies[0])
+    return {"bytes": one, "copies": len(copies), "distinct_bytes": one * len(copies)}
+
+
 def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[str, dict]:
-    """Weight-read bandwidth of x @ W.T for one token: what a decode step streams. Quantized
-    weights are quantized from ``compute_dtype``, the dtype models run in, so scales, biases and
-    the activation keep it (a float32 source would time the float32 kernel on a GPU)."""
+    """Weight-read bandwidth of x @ W.T for one token: what a decode step streams, timed as a
+    chain of launches over distinct weight copies (``weight_copies``). Quantized weights are
+    quantized from ``compute_dtype``, the dtype models run in, so scales, biases and the
+    activation keep it (a float32 source would time the float32 kernel on a GPU)."""
     out = {}
+    rows, cols = gemv_shape(cfg.gemv_bytes)
     for label, dtype, bits in (("float32", mx.float32, None), ("float16", mx.float16, None),
                                ("q8", compute_dtype, 8), ("q4", compute_dtype, 4)):
-        rows = max(cfg.gemv_bytes // (GEMV_COLS * 4), 64)
-        w = mx.random.normal((rows, GEMV_COLS), dtype=dtype)
-        x = mx.random.normal((1, GEMV_COLS), dtype=dtype)
+        x = mx.random.uniform(0.5, 1.5, (1, cols), dtype=dtype)
         if bits is None:
-            mx.eval(w, x)
-            fn, nbytes = (lambda i, w=w, x=x: x @ w.T), w.nbytes
+            copies = weight_copies(lambda dtype=dtype: (_stochastic(rows, cols, dtype),), cfg.distinct_bytes)
+            launch = lambda x, w: x @ w.T  # noqa: E731
         else:
-            wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
-            mx.eval(wq, scales, biases, x)
-            del w
-            fn = lambda i, wq=wq, s=scales, b=biases, x=x, bits=bits: mx.quantized_matmul(  # noqa: E731
+            copies = weight_copies(lambda dtype=dtype, bits=bits: mx.quantize(
+                _stochastic(rows, cols, dtype), group_size=64, bits=bits), cfg.distinct_bytes)
+            launch = lambda x, wq, s, b, bits=bits: mx.quantized_matmul(  # noqa: E731
                 x, wq, s, b, transpose=True, group_size=64, bits=bits)
-            nbytes = wq.nbytes + scales.nbytes + biases.nbytes
-        m, launches = timed(cfg, rng, {label: (fn, rows * x.itemsize)})[label]
-        out[label] = {"bytes": nbytes, "dtype": str(dtype).removeprefix("mlx.core."), **_row(m, launches),
-                      "gbs": _gbs(nbytes, m.median_s)}
+        mx.eval(x)
+        step = _chain(launch, copies, x)
+        m, launches = timed(cfg, rng, {label: (step, rows * x.itemsize)}, chained=frozenset({label}))[label]
+        row = _copies_row(copies)
+        out[label] = {**row, "dtype": str(dtype).removeprefix("mlx.core."), **_row(m, launches),
+                      "gbs": _gbs(row["bytes"], m.median_s)}
         progress(f"gemv {label}")
+        del copies, step
     return out
 
 
@@ -229,26 +362,30 @@ def fma_flops(k: kernels.Kernels, cfg: RooflineConfig, rng) -> dict | None:
 
 def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[dict]:
     """Quantized matmul time against tokens t: flat while weight-bound, linear once compute-bound.
-    The weight is quantized from ``dtype`` (the models' dtype), so the input is not promoted."""
+    Each point is a chain of launches over distinct weight copies (``weight_copies``), quantized
+    from ``dtype`` (the models' dtype), so the input is not promoted."""
     rows_out, cols = cfg.qmm_shape
-    w = mx.random.normal((rows_out, cols), dtype=dtype)
     rows = []
     for bits in (4, 8):
-        wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
-        mx.eval(wq, scales, biases)
+        copies = weight_copies(lambda bits=bits: mx.quantize(
+            _stochastic(rows_out, cols, dtype), group_size=64, bits=bits), cfg.distinct_bytes)
+        launch = lambda x, wq, s, b, bits=bits: mx.quantized_matmul(  # noqa: E731
+            x, wq, s, b, transpose=True, group_size=64, bits=bits)
         points = {}
         for t in cfg.qmm_tokens:
-            x = mx.random.normal((t, cols), dtype=dtype)
+            x = mx.random.uniform(0.5, 1.5, (t, cols), dtype=dtype)
             mx.eval(x)
-            points[t] = (lambda i, x=x, wq=wq, s=scales, b=biases, bits=bits: mx.quantized_matmul(
-                x, wq, s, b, transpose=True, group_size=64, bits=bits), t * rows_out * x.itemsize)
-        measured = timed(cfg, rng, points)
+            points[t] = (_chain(launch, copies, x), t * rows_out * x.itemsize)
+        measured = timed(cfg, rng, points, chained=frozenset(points))
+        copied = _copies_row(copies)
         for t in cfg.qmm_tokens:
             m, launches = measured[t]
             rows.append({"bits": bits, "tokens": t, "dtype": str(dtype).removeprefix("mlx.core."),
                          **_row(m, launches), "tflops": 2 * t * rows_out * cols / m.median_s / 1e12,
-                         "weight_bytes": wq.nbytes + scales.nbytes + biases.nbytes})
+                         "weight_bytes": copied["bytes"], "copies": copied["copies"],
+                         "distinct_bytes": copied["distinct_bytes"]})
         progress(f"quantized matmul {bits}-bit")
+        del copies, points
     return rows
 
 
@@ -274,12 +411,21 @@ def _plateau(rows: list[dict], op: str, plateau_from: int) -> float:
     return float(np.median(big))
 
 
+def ceiling_of(bandwidth: dict[str, float], gemv: dict[str, dict], plateau_from: int) -> str:
+    """Which bandwidth is the ceiling: the largest of the rows that streamed past the caches,
+    the STREAM plateaus and the GEMV rows whose weight copies add up to ``plateau_from``."""
+    past = {k: v for k, v in bandwidth.items()
+            if not k.startswith("gemv_") or gemv[k.removeprefix("gemv_")]["distinct_bytes"] >= plateau_from}
+    return max(past, key=past.get)
+
+
 def run_roofline(
     cfg: RooflineConfig, spec: dict | None, backend: str, progress=lambda label: None, seed: int = 0,
-    usable_bytes: int | None = None,
+    usable_bytes: int | None = None, shrunk: dict | None = None,
 ) -> dict:
     """Measure everything and return the roofline document of DESIGN.md section 3; its memory
-    entry is the estimate beside the measured peak (``memory.record``) and the wired limit."""
+    entry is the estimate beside the measured peak (``memory.record``) and the wired limit, and
+    ``shrunk`` what ``fit_memory`` changed to fit (None: ran as configured)."""
     rng = random.Random(seed)
     mx.random.seed(seed)
     compute_dtype = mx.float16 if backend != "cpu" else mx.float32
@@ -293,7 +439,7 @@ def run_roofline(
 
     bandwidth = {op: _plateau(sweep_rows, op, cfg.plateau_from) for op in ("read", "copy", "triad")}
     bandwidth.update({f"gemv_{label}": row["gbs"] for label, row in gemv.items()})
-    ceiling_source = max(bandwidth, key=bandwidth.get)
+    ceiling_source = ceiling_of(bandwidth, gemv, cfg.plateau_from)
     ceiling = bandwidth[ceiling_source]
     flops = {name: row["tflops"] for name, row in matmul.items()}
     if fma:
@@ -310,6 +456,8 @@ def run_roofline(
         "kernels": k.describe(),
         "compute_dtype": main_dtype,
         "memory": {**memory.record(memory.roofline_estimate(cfg), usable_bytes), **stage},
+        "shrunk": shrunk,
+        "distinct_bytes": cfg.distinct_bytes,
         "bandwidth_gbs": bandwidth,
         "bandwidth_ceiling_gbs": ceiling,
         "bandwidth_ceiling_source": ceiling_source,

@@ -522,3 +522,29 @@ def render_plan(doc: dict) -> str:
     lines.append(f"total ETA {doc['eta_s']:.0f} s ({doc['eta_s'] / 60:.1f} min); "
                  f"not estimated: {', '.join(doc['not_estimated'])}")
     return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def roofline_shrunk_line(shrunk: dict | None) -> str | None:
+    """What ``roofline.fit_memory`` shrank to fit memory, or None when it ran as configured."""
+    if not shrunk:
+        return None
+    was, now = shrunk["from"], shrunk["to"]
+    changes = []
+    if now["sizes_bytes"] != was["sizes_bytes"]:
+        changes.append(f"STREAM arrays up to {_size(max(now['sizes_bytes']))} (not {_size(max(was['sizes_bytes']))})")
+    if now["gemv_bytes"] != was["gemv_bytes"]:
+        changes.append(f"a {_size(now['gemv_bytes'])} GEMV weight (not {_size(was['gemv_bytes'])})")
+    if now["min_launch_bytes"] != was["min_launch_bytes"]:
+        changes.append(f"launch outputs of at least {_size(now['min_launch_bytes'])} per timed eval "
+                       f"(not {_size(was['min_launch_bytes'])})")
+    line = (f"Shrunk to fit memory: the configured roofline peaks at {_size(was['peak_bytes'])} and "
+            f"{_size(shrunk['usable_bytes'])} was usable, so it ran with " + ", ".join(changes)
+            + f", peaking at {_size(now['peak_bytes'])}.")
+    if not shrunk["plateau_reached"]:
+        line += (" No STREAM size reached the plateau past the caches: the bandwidth is that of the "
+                 "largest size that fit, and may be a cache's.")
+    return line

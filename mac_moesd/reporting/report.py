@@ -19,8 +19,8 @@ from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.reporting.serving_section import draw as draw_serving, serving_blocks
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
-from mac_moesd.reporting.formatting import (measured_speedup, kv_lines, one_row_lines, pipelining_lines, routing_sentence,
-                                             seconds)
+from mac_moesd.reporting.formatting import (measured_speedup, kv_lines, one_row_lines, pipelining_lines, roofline_shrunk_line,
+                                             routing_sentence, seconds)
 
 __all__ = ["build_blocks", "write_report"]
 
@@ -173,6 +173,9 @@ def _roofline(d: Digest, figures) -> list:
     if frac:
         text += f" Measured bandwidth is {pct(frac['bandwidth'])} of the published spec."
     blocks = [("h2", "Roofline"), ("p", text), ("table", ["measure", "value"], rows)]
+    shrunk = roofline_shrunk_line(roof.get("shrunk"))
+    if shrunk:
+        blocks.insert(2, ("note", shrunk))
     return blocks + _figure(figures, "roofline", "Measured roofline; circles: batch-1 decode, squares: a "
                             f"{VERIFY_WINDOW}-token verify window, for each swept model.")
 
