@@ -2,16 +2,18 @@
 
 Stages: roofline, sweeps (each target with the drafter's T_D, and the dense control), routing of
 each MoE, the fit, measured SD on the sparser MoE, and the report. Finished stages are kept in
-results.json and skipped on a rerun; a sweep resumes point by point.
+results.json and skipped on a rerun; a sweep resumes point by point. Every document a stage
+writes records the thermal pressure before and after the stage (``thermal_pressure``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mac_moesd.analysis import fit
-from mac_moesd.machine import hardware, memory
+from mac_moesd.machine import hardware, memory, thermal
 from mac_moesd.measure import roofline, routing, spec, sweep, timing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore
@@ -93,10 +95,16 @@ STAGE_FAILURES = (MacMoesdError, RuntimeError, MemoryError)
 
 @dataclass
 class Outcome:
-    """Which stages ran and which were skipped (with why), for the exit status and the report."""
+    """Which stages ran and which were skipped (with why), for the exit status and the report, and
+    the warnings the stages raised (thermal pressure), for the command to print."""
 
     ran: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str | None) -> None:
+        if message and message not in self.warnings:
+            self.warnings.append(message)
 
     @property
     def exit_status(self) -> int:
@@ -113,9 +121,11 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
     On Metal the wired limit is set for the stage as mlx-lm sets it for generation, and
     MLX's buffer cache is emptied after every stage, so a freed model does not stay resident
     while the next one is built (unified memory is shared with macOS and the user's apps).
+    Thermal pressure is read before and after, and recorded in what the stage wrote.
     """
     import mlx.core as mx
 
+    before, seen = thermal.read(), _fingerprints(store.data)
     try:
         with hardware.measuring_stage():
             work()
@@ -131,6 +141,42 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
             store.save()  # it ran this time: the earlier reason no longer applies
     finally:
         mx.clear_cache()
+    record_thermal(store, outcome, label, seen, before, thermal.read())
+
+
+# The sections whose entries stages write (results.py), besides the roofline's own document.
+DOCUMENT_SECTIONS = ("sweeps", "draft", "reject", "routing", "fits", "spec")
+
+
+def _documents(data: dict) -> dict[tuple, dict]:
+    """Every stage document in ``data``, by where it is."""
+    found = {("roofline",): data["roofline"]} if data.get("roofline") else {}
+    for section in DOCUMENT_SECTIONS:
+        found.update({(section, key): doc for key, doc in data.get(section, {}).items()})
+    return found
+
+
+def _fingerprints(data: dict) -> dict[tuple, str]:
+    """Each stage document as JSON text: a stage wrote the documents whose text it changed (a
+    sweep adds points to entries already there)."""
+    return {where: json.dumps(doc, default=str) for where, doc in _documents(data).items()}
+
+
+def record_thermal(store: ResultsStore, outcome: Outcome, label: str, seen: dict[tuple, str],
+                   before: thermal.Reading, after: thermal.Reading) -> None:
+    """``thermal_pressure`` {before, after} in every document the stage ``label`` wrote (those
+    not in ``seen`` as they are now), and a warning when it ran throttled or when macOS did not
+    tell its thermal pressure."""
+    pressure = thermal.record(before, after)
+    written = [doc for where, doc in _documents(store.data).items()
+               if seen.get(where) != json.dumps(doc, default=str)]
+    for doc in written:
+        doc["thermal_pressure"] = pressure
+    if written:
+        store.save()
+    outcome.warn(thermal.warning(label, pressure))
+    for reading in (before, after):
+        outcome.warn(thermal.unread_warning(reading))
 
 
 def measure_roofline(plan: Plan, store: ResultsStore, spec_dict: dict | None, backend: str,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mac_moesd.machine import thermal
+
 
 def si(value: float | None, unit: str, digits: int = 3) -> str:
     """1.5e11, 'B/s' -> '150 GB/s'. None -> 'n/a'."""
@@ -522,6 +524,38 @@ def render_plan(doc: dict) -> str:
     lines.append(f"total ETA {doc['eta_s']:.0f} s ({doc['eta_s'] / 60:.1f} min); "
                  f"not estimated: {', '.join(doc['not_estimated'])}")
     return "\n".join(lines)
+
+
+def _document_name(section: str, doc: dict) -> str | None:
+    """What a stage document measured, as the report names it (None: not a timing)."""
+    if section == "roofline":
+        return "the roofline"
+    if section == "sweeps":
+        return f"the sweep of {doc.get('model')} ({doc.get('layers')} layers, context {doc.get('context')})"
+    if section == "draft":
+        return f"the drafter step of {doc.get('model')}"
+    if section == "reject":
+        return "the rejection-sampling step"
+    if section == "routing":
+        return f"the routing of {doc.get('model')} on {doc.get('text')}"
+    if section == "spec":
+        return f"measured SD of {doc.get('target')} with {doc.get('draft')} on {doc.get('prompts', {}).get('name')}"
+    return None
+
+
+def throttled_lines(data: dict) -> list[str]:
+    """One line per stage document that records thermal pressure at "moderate" or above."""
+    docs = [("roofline", data["roofline"])] if data.get("roofline") else []
+    docs += [(section, doc) for section in ("sweeps", "draft", "reject", "routing", "spec")
+             for doc in data.get(section, {}).values()]
+    lines = []
+    for section, doc in docs:
+        pressure, name = doc.get("thermal_pressure"), _document_name(section, doc)
+        if name and pressure and any(thermal.throttled(pressure.get(k)) for k in ("before", "after")):
+            lines.append(f"THROTTLED: {name} ran under thermal pressure ({pressure.get('before') or 'unknown'} "
+                         f"before, {pressure.get('after') or 'unknown'} after): macOS slowed the chip, so its "
+                         "timings are below this Mac's best. Let the Mac cool and measure it again.")
+    return lines
 
 
 def _size(nbytes: int) -> str:

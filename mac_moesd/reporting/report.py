@@ -20,7 +20,7 @@ from mac_moesd.reporting.serving_section import draw as draw_serving, serving_bl
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.reporting.formatting import (measured_speedup, kv_lines, one_row_lines, pipelining_lines, roofline_shrunk_line,
-                                             routing_sentence, seconds)
+                                             routing_sentence, seconds, throttled_lines)
 
 __all__ = ["build_blocks", "write_report"]
 
@@ -54,6 +54,7 @@ def _title(d: Digest) -> list:
                        "this machine only."))
     for what, why in d.data.get("skipped", {}).items():
         blocks.append(("note", f"Skipped {what}: {why}"))
+    blocks += [("note", line) for line in throttled_lines(d.data)]
     missing = [s for s in ("roofline", "sweeps", "routing", "fits") if not d.data.get(s)]
     if missing:
         blocks.append(("note", "INCOMPLETE: no " + ", ".join(missing) + " in the results; the "
