@@ -670,8 +670,6 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
                                     cluster, serving)
         emit(document, as_json, render_plan)
         return
-    if as_json:
-        raise click.UsageError("--json goes with --dry-run (a run writes its results to OUT)")
     limit = memory_limit_bytes(memory_limit)
     machine, meta, store = open_store(out, per_chip=True)
     from mac_moesd.measure import serving_stage
@@ -721,8 +719,12 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
         warn(f"skipped {label}: {reason}")
     for message in outcome.warnings:
         warn(message)
-    click.echo(f"report: {paths['markdown']}")
-    click.echo(f"        {paths['html']}")
+    if as_json:
+        emit({"results": str(store.path.resolve()), "report": {k: str(v.resolve()) for k, v in paths.items()},
+              "skipped": dict(outcome.skipped), "exit_status": outcome.exit_status}, True, str)
+    else:
+        click.echo(f"report: {paths['markdown']}")
+        click.echo(f"        {paths['html']}")
     if outcome.exit_status:
         what = "nothing could be measured" if outcome.exit_status == 1 else \
             f"{len(outcome.skipped)} stage(s) skipped"
