@@ -145,7 +145,7 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
 
 
 # The sections whose entries stages write (results.py), besides the roofline's own document.
-DOCUMENT_SECTIONS = ("sweeps", "draft", "reject", "routing", "fits", "spec")
+DOCUMENT_SECTIONS = ("sweeps", "draft", "reject", "routing", "fits", "spec", "serving")
 
 
 def _documents(data: dict) -> dict[tuple, dict]:

@@ -146,3 +146,20 @@ def test_cli_run_prints_the_stages_warnings(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
     assert "warning: roofline ran under thermal pressure (before: nominal, after: heavy)" in result.stderr
+
+
+def test_every_timed_section_is_named_when_throttled():
+    from mac_moesd.reporting.formatting import throttled_lines
+
+    hot = {"before": "heavy", "after": None}
+    data = {"sweeps": {"k": {"model": "m", "layers": 2, "context": 64, "thermal_pressure": hot}},
+            "draft": {"k": {"model": "d", "thermal_pressure": hot}},
+            "reject": {"k": {"thermal_pressure": hot}},
+            "routing": {"k": {"model": "m", "text": "code", "thermal_pressure": hot}},
+            "spec": {"k": {"target": "m", "draft": "d", "prompts": {"name": "chat"}, "thermal_pressure": hot}},
+            "serving": {"k": {"target_name": "m", "thermal_pressure": hot}},
+            "fits": {"m": {"thermal_pressure": hot}}}  # a fit times nothing
+    names = [line.split(" ran under")[0].removeprefix("THROTTLED: ") for line in throttled_lines(data)]
+    assert names == ["the sweep of m (2 layers, context 64)", "the drafter step of d", "the rejection-sampling step",
+                     "the routing of m on code", "measured SD of m with d on chat", "serving m"]
+    assert "(heavy before, unknown after)" in throttled_lines(data)[0]

@@ -540,13 +540,15 @@ def _document_name(section: str, doc: dict) -> str | None:
         return f"the routing of {doc.get('model')} on {doc.get('text')}"
     if section == "spec":
         return f"measured SD of {doc.get('target')} with {doc.get('draft')} on {doc.get('prompts', {}).get('name')}"
+    if section == "serving":
+        return f"serving {doc.get('target_name') or doc.get('target')}"
     return None
 
 
 def throttled_lines(data: dict) -> list[str]:
     """One line per stage document that records thermal pressure at "moderate" or above."""
     docs = [("roofline", data["roofline"])] if data.get("roofline") else []
-    docs += [(section, doc) for section in ("sweeps", "draft", "reject", "routing", "spec")
+    docs += [(section, doc) for section in ("sweeps", "draft", "reject", "routing", "spec", "serving")
              for doc in data.get(section, {}).values()]
     lines = []
     for section, doc in docs:
