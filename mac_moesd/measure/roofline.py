@@ -136,7 +136,9 @@ def peak_bytes(cfg: RooflineConfig, cap_bytes: int | None = None) -> int:
     return max(stream, gemv, qmm, matmul)
 
 
-MIN_GEMV_BYTES = 64 * MiB  # a GEMV weight shrunk no further: still past the caches of a base chip
+# Shrunk no further: one 64 MiB GEMV launch still lasts far longer than a launch's fixed cost, and
+# 256 MiB of launch outputs still give a 4096-square float32 matmul four launches per timed eval.
+MIN_GEMV_BYTES = 64 * MiB
 MIN_LAUNCH_BYTES = 256 * MiB
 
 
