@@ -2,6 +2,7 @@
 check that SD at temperature 0 reproduces greedy decoding token for token."""
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -162,3 +163,48 @@ def test_bad_prompt_file_is_a_usage_error(tiny_pair, tmp_path):
     result = CliRunner().invoke(cli, ["spec", tiny_pair[0], "--draft", tiny_pair[1], "--mode", "real",
                                       "--prompts", str(bad), "--out", str(tmp_path)])
     assert result.exit_code == 2 and "line 1" in result.stderr
+
+
+def test_a_drafter_with_another_tokenizer_is_refused_in_one_line(tiny_pair, tmp_path):
+    # The trained drafter's weights with a byte-level tokenizer of its own: same vocabulary size
+    # range, other ids for the same text, so its drafts would be judged against other tokens.
+    from pairs_helpers import byte_tokenizer
+
+    target, draft = tiny_pair
+    other = tmp_path / "byte-draft"
+    shutil.copytree(draft, other)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / name).unlink()
+    byte_tokenizer(other)
+    result = CliRunner().invoke(cli, ["spec", target, "--draft", str(other), "--mode", "real", "--prompts", "code",
+                                      "--batch", "1", "--gamma", "2", "--tokens", "4", "--repeats", "1",
+                                      "--max-prompts", "2", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "tokenise the prompts differently" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_emulated_acceptance_realises_the_imposed_alpha(pair):
+    # Emulated acceptance draws each draft position's acceptance at alpha, so a round accepts
+    # L = alpha*(1 - alpha^gamma)/(1 - alpha) drafts on average (the chain of Bernoulli draws up to
+    # the first rejection): alpha 0.7, gamma 4 -> 0.7*(1 - 0.2401)/0.3 = 1.7731. About 200 rounds
+    # of a seeded generator; a round's count has a spread of about 1.5, so 3 standard errors of the
+    # mean are about 0.32 (the draws are fixed by the seed, so this cannot flake).
+    target, draft, ids = pair
+    decoder = Decoder(target, draft, common_prompt(ids[:1]))
+    sd = decoder.speculative(560, 4, "emulated-acceptance", alpha=0.7, rng=np.random.default_rng(0))
+    assert len(sd.per_round) >= 150
+    assert np.mean(sd.per_round) == pytest.approx(1.7731, abs=0.32)
+    # And exactly the draws: replaying the seeded generator round by round (each round draws
+    # gamma uniforms and accepts up to the first one at or above alpha) gives the same counts.
+    rng, replay, produced = np.random.default_rng(0), [], 0
+    while produced < 560:
+        draws = rng.random(4) < 0.7
+        replay.append(int(np.argmin(draws)) if not draws.all() else 4)
+        produced += replay[-1] + 1
+    assert sd.per_round == replay
+    # Alpha 0.3 at gamma 4: L = 0.3*(1 - 0.0081)/0.7 = 0.4251, far below the first.
+    decoder.reset()
+    low = decoder.speculative(300, 4, "emulated-acceptance", alpha=0.3, rng=np.random.default_rng(1))
+    assert np.mean(low.per_round) == pytest.approx(0.4251, abs=0.15)
