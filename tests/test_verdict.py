@@ -101,3 +101,44 @@ def _fit(bias, k1, k2, draft_bias, draft_k, chosen="unique"):
               "draft_bias": draft_bias, "draft_k": draft_k, "reject_bias": 0.0, "reject_k": 0.0}
     return {"chosen": chosen, "experts": 16, "top_k": 2, "ridge_tokens": 10.0, "sort_threshold": 64,
             "drafted": True, "variants": [{"name": chosen, "params": params, "k_kv": 0.0}]}
+
+
+# The hand-worked model of test_round_cost_worked_by_hand: T(n) = 0.95 + 0.05 n ms (pairs loads,
+# K = 2, k2 = 0.025 ms), T_D = 0.1 ms, no rejection, nothing pipelined.
+HAND = dict(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3, draft_k=0.0, chosen="pairs")
+
+
+def test_alpha_0_recommends_the_shortest_draft_and_names_acceptance():
+    # Omega = 1 at alpha 0; gamma 1: S = 1 / (0.1 + T(2) = 1.05) = 0.8696, larger gammas only add cost.
+    # Without the acceptance term: 2 / 1.15 = 1.7391; without the drafter: 1 / 1.05 = 0.9524;
+    # verify at a plain step's price: 1 / (0.1 + 1.0) = 0.9091.
+    (row,) = verdict.verdict_rows(_fit(**HAND), [{"prompts": "code", "temperature": 0.0, "alpha": 0.0}], 64)
+    assert row["gamma"] == 1 and row["predicted_speedup"] == pytest.approx(0.8696, abs=1e-4)
+    assert not row["pays_off"] and row["deciding"]["term"] == "acceptance"
+    assert row["deciding"]["speedup_without"] == pytest.approx(
+        {"acceptance": 1.7391, "drafter cost": 0.9524, "verify cost": 0.9091}, abs=1e-4)
+
+
+def test_alpha_1_recommends_the_longest_draft():
+    # Omega = gamma + 1 at alpha 1: S(g) = (g + 1) / (0.1 g + 0.95 + 0.05 (g + 1)) rises with g, so
+    # the longest draft of the list wins: gamma 8, S = 9 / (0.8 + 1.4) = 4.0909.
+    (row,) = verdict.verdict_rows(_fit(**HAND), [{"prompts": "code", "temperature": 0.0, "alpha": 1.0}], 64)
+    assert row["gamma"] == 8 and row["predicted_speedup"] == pytest.approx(4.0909, abs=1e-4)
+    assert row["pays_off"] and "deciding" not in row
+
+
+def test_gamma_1_round():
+    # gamma 1 at alpha 0.5: Omega = (1 - 0.25) / 0.5 = 1.5; round = 0.1 + T(2) = 1.15 ms; S = 1.3043.
+    model = FittedModel.from_document(_fit(**HAND))
+    cost = verdict.round_cost(model, 1, 1, 64)
+    assert cost.round == pytest.approx(1.15e-3)
+    assert float(model.speedup(1, 1, 0.5, 64)) == pytest.approx(1.3043, abs=1e-4)
+
+
+def test_a_speedup_of_exactly_1_does_not_pay_off():
+    # A free drafter, a verify at a plain step's price and alpha 0: S = 1 * 1 ms / 1 ms = 1 exactly
+    # at every gamma; SD gains nothing, so it "does not pay off", and acceptance decides (2 / 1).
+    doc = _fit(bias=1e-3, k1=0.0, k2=0.0, draft_bias=0.0, draft_k=0.0)
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "alpha": 0.0}], 64)
+    assert row["predicted_speedup"] == 1.0 and row["pays_off"] is False
+    assert row["deciding"]["term"] == "acceptance" and row["deciding"]["speedup_without"]["acceptance"] == 2.0
