@@ -39,10 +39,9 @@ def test_anchored_correlation_keeps_one_token_at_k_experts():
     # The earlier form N(c*t) gave 5.4 experts for one token at c = 0.67 (E = 128, K = 8).
     for c in (0.3, 0.56, 0.67, 1.0):
         assert theory.correlated_activated_experts(1, 128, 8, c) == pytest.approx(8.0)
-    # N_c(t) = N(1 + c*(t-1))
-    assert theory.correlated_activated_experts(10, 64, 8, 0.5) == pytest.approx(
-        theory.activated_experts(5.5, 64, 8)
-    )
+    # N_c(t) = N(1 + c*(t-1)): N_c(10) at c = 0.5 is N(1 + 0.5*9) = N(5.5)
+    #   = 64*(1 - (7/8)**5.5) = 64*(1 - 0.479782) = 33.29393
+    assert theory.correlated_activated_experts(10, 64, 8, 0.5) == pytest.approx(33.29393, abs=1e-5)
     # Cohere's window: c ~ 0.56 reproduces 20.36 unique of 128 top-8 at t = 4.
     assert theory.correlated_activated_experts(4, 128, 8, 0.5613) == pytest.approx(20.36, abs=0.01)
 
@@ -97,15 +96,13 @@ def test_time_model():
     ridge = 10.0  # knee = 5 tokens
     # One token: N(1) = K experts, one token each.
     assert model.target_time(1, 64, 4, ridge) == pytest.approx(1.0 + 0.1 * 1.2 + 0.2 * 4 + 0.3 * 1.2)
-    n = 16.0
-    active = 64 * (1 - (1 - 4 / 64) ** n)
-    expected = (
-        1.0
-        + 0.1 * theory.compute_transition(n, 5.0, 1.2)
-        + 0.2 * active
-        + 0.3 * theory.compute_transition(n * 4 / active, 5.0, 1.2)
-    )
-    assert model.target_time(n, 64, 4, ridge) == pytest.approx(expected)
+    # 16 tokens, past the knee of 5:
+    #   G(16) = 1.2**5 * (1 + ln(1.2)*(16 - 5)) = 2.48832 * 3.005537 = 7.478738
+    #   N(16) = 64*(1 - (15/16)**16) = 41.211256 reads; 16*4/41.211256 = 1.552974 tokens per read,
+    #   below the knee: G = 1.2**1.552974 = 1.327292
+    #   T = 1 + 0.1*7.478738 + 0.2*41.211256 + 0.3*1.327292
+    #     = 1 + 0.747874 + 8.242251 + 0.398188 = 10.388312
+    assert model.target_time(16.0, 64, 4, ridge) == pytest.approx(10.388312, abs=1e-6)
     assert model.draft_time(2, ridge) == pytest.approx(0.05 + 0.01 * 1.2**2)
     assert model.reject_time(8) == pytest.approx(0.002 + 0.008)
 
@@ -114,14 +111,16 @@ def test_expert_load_variants():
     E, K = 64, 4
     n = np.array([1.0, 4.0, 15.0, 16.0, 32.0])
     unique, per_unique = theory.expert_loads(n, E, K, "unique")
-    np.testing.assert_allclose(unique, theory.activated_experts(n, E, K))
-    np.testing.assert_allclose(per_unique, n * K / unique)
+    # N(n) = 64*(1 - (15/16)**n): n = 1 -> 4; 4 -> 64*(1 - 0.772476) = 14.561523;
+    # 15 -> 39.692006; 16 -> 41.211256; 32 -> 55.885518. Tokens per read 4n/N(n).
+    np.testing.assert_allclose(unique, [4.0, 14.561523, 39.692006, 41.211256, 55.885518], rtol=1e-6)
+    np.testing.assert_allclose(per_unique, [1.0, 1.098786, 1.511639, 1.552974, 2.290397], rtol=1e-6)
     pairs, per_pair = theory.expert_loads(n, E, K, "pairs")
-    np.testing.assert_allclose(pairs, n * K)
+    np.testing.assert_allclose(pairs, [4.0, 16.0, 60.0, 64.0, 128.0])  # n*K
     np.testing.assert_allclose(per_pair, 0.0)  # one-token reads: no expert-compute term
-    # mlx-lm sorts once indices.size = n*K reaches 64: n = 16 at K = 4.
+    # mlx-lm sorts once indices.size = n*K reaches 64: n = 16 at K = 4. Pairs below, N(n) from there.
     mlx, _ = theory.expert_loads(n, E, K, "mlx", sort_threshold=64)
-    np.testing.assert_allclose(mlx, [4.0, 16.0, 60.0, unique[3], unique[4]])
+    np.testing.assert_allclose(mlx, [4.0, 16.0, 60.0, 41.211256, 55.885518], rtol=1e-6)
     with pytest.raises(ValueError, match="unknown expert-load variant"):
         theory.expert_loads(n, E, K, "sorted")
 
@@ -129,11 +128,14 @@ def test_expert_load_variants():
 def test_time_model_pairs_has_no_expert_compute_term():
     model = theory.TimeModel(1.0, 0.1, 0.2, 0.3, 0.5, 1.2, 0.0, 0.0, 0.0, 0.0)
     n = 8.0
-    expected = 1.0 + 0.1 * theory.compute_transition(n, 5.0, 1.2) + 0.2 * n * 4
-    assert model.target_time(n, 64, 4, 10.0, "pairs") == pytest.approx(expected)
+    # knee 0.5*10 = 5; G(8) = 1.2**5 * (1 + ln(1.2)*3) = 2.48832 * 1.546965 = 3.849343;
+    # 8*4 = 32 one-token reads and no k3 term: T = 1 + 0.1*3.849343 + 0.2*32 = 7.784934
+    expected = 7.784934
+    assert model.target_time(n, 64, 4, 10.0, "pairs") == pytest.approx(expected, abs=1e-6)
     # Below the sort threshold mlx is pairs; at and above it, unique.
-    assert model.target_time(n, 64, 4, 10.0, "mlx", 64) == pytest.approx(expected)
-    assert model.target_time(16, 64, 4, 10.0, "mlx", 64) == pytest.approx(model.target_time(16, 64, 4, 10.0))
+    assert model.target_time(n, 64, 4, 10.0, "mlx", 64) == pytest.approx(expected, abs=1e-6)
+    # n = 16: n*K = 64 sorts, so unique reads as in test_time_model: 10.388312
+    assert model.target_time(16, 64, 4, 10.0, "mlx", 64) == pytest.approx(10.388312, abs=1e-6)
 
 
 def test_mean_accepted_length():
