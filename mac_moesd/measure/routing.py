@@ -4,7 +4,9 @@ Every MoE block in mlx-lm's MoE architectures (qwen2_moe, qwen3_moe, mixtral, ol
 gpt_oss, ...) hands its chosen top-k indices to one switch module (``SwitchGLU``/``SwitchMLP``)
 as ``switch(x, indices)``. ``controlled_switches`` swaps each such module's class for a subclass
 that hands the indices to a ``SwitchControl`` first: capture records them (the model's output stays
-bit-identical), and the sweep's routing control replaces them (``routing_control.py``).
+bit-identical), and the sweep's routing control replaces them (``routing_control.py``). A class
+whose call is no longer mlx-lm 0.32's ``(x, indices)`` is refused before any swap
+(``mlxlm_compat.check_switch_call``).
 """
 
 from __future__ import annotations
