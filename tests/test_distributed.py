@@ -237,6 +237,7 @@ def _kill_mid_sweep(tmp_path, config_dir, sig, extra=()):
 
 
 @pytest.mark.distributed
+@pytest.mark.timing  # a wall-clock bound on ending
 def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path, config_dir):
     proc, err, elapsed, command, results = _kill_mid_sweep(tmp_path, config_dir, signal.SIGKILL)
     assert elapsed < 60
@@ -254,6 +255,7 @@ def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path, config_dir):
 
 
 @pytest.mark.distributed
+@pytest.mark.timing  # a wall-clock bound on ending
 def test_hung_rank_ends_the_run_in_bounded_time(tmp_path, config_dir):
     proc, err, elapsed, *_ = _kill_mid_sweep(tmp_path, config_dir, signal.SIGSTOP, ("--rank-timeout", "4"))
     assert elapsed < 40
@@ -262,6 +264,7 @@ def test_hung_rank_ends_the_run_in_bounded_time(tmp_path, config_dir):
 
 
 @pytest.mark.distributed
+@pytest.mark.timing  # a wall-clock bound on ending
 def test_rank_that_never_starts(tmp_path):
     port = free_ports()
     hostfile = tmp_path / "hosts.json"
