@@ -220,7 +220,9 @@ def test_knee_is_recovered_in_tokens_for_the_weight_format(bits, ridge):
     result = fit.fit(inputs)
     lam_lo, lam_hi = result.bounds["lam"]
     assert lam_lo + 0.02 < result.params.lam < lam_hi - 0.02  # off its bounds
-    true_knee = KNEE.lam * theory.ridge_in_tokens(ridge, inputs.weight_format)
+    # knee = lam * RP * bytes per weight / 2: fp32 0.7*10.8*4/2 = 15.12 tokens; 4-bit weights with
+    # a float16 scale and bias per 64 take (4 + 2*16/64)/8 = 0.5625 bytes: 0.7*36*0.5625/2 = 7.0875
+    true_knee = {None: 15.12, 4: 7.0875}[bits]
     assert result.params.knee(inputs.ridge_tokens) == pytest.approx(true_knee, rel=0.15)
 
 
@@ -270,12 +272,28 @@ def test_held_out_error_is_scored_apart_and_the_parameters_use_every_point():
     assert any(held[k] != pytest.approx(final[k], rel=1e-9) for k in held)
 
 
+def hand_fit_doc(k_kv=0.0):
+    """A stored fit worked by hand: pairs loads, K = 2, s = 1 (G = 1) and k1 = k3 = 0, so
+    T_T(n) = 0.95 + 0.025*2n ms for n = B*t tokens; T_D = 0.1 ms; no rejection, nothing pipelined."""
+    params = {"bias": 0.95e-3, "k1": 0.0, "k2": 0.025e-3, "k3": 0.0, "lam": 1.0, "s": 1.0,
+              "draft_bias": 0.1e-3, "draft_k": 0.0, "reject_bias": 0.0, "reject_k": 0.0}
+    return {"chosen": "pairs", "experts": 16, "top_k": 2, "ridge_tokens": 10.0, "sort_threshold": 64,
+            "drafted": True, "variants": [{"name": "pairs", "params": params, "k_kv": k_kv}]}
+
+
 def test_predictions_use_gamma_plus_one_verify_tokens():
-    result = fit.fit(fit.inputs_from_results(synthetic_results()))
-    doc = fit.fit_document(result)
-    m = result.model()
-    eff = next(p["target_efficiency"] for p in doc["predictions"] if p["batch"] == 2 and p["gamma"] == 3)
-    assert eff == pytest.approx(float(m.target(2, 1, L) / m.target(2, 4, L)))
+    m = fit.FittedModel.from_document(hand_fit_doc())
+    # B = 2, gamma = 3: plain T(2) = 0.95 + 0.1 = 1.05 ms; a gamma+1 verify is 2*4 = 8 tokens,
+    # T(8) = 0.95 + 0.4 = 1.35 ms: efficiency 1.05/1.35 = 0.7778. At alpha 0.8, Omega = 1 + 0.8 +
+    # 0.64 + 0.512 = 2.952 and the round 3*0.1 + 1.35 = 1.65 ms: S = 2.952*1.05/1.65 = 1.878545.
+    (row,) = fit.predict(m, 64, (2,), (3,), (0.8,))
+    assert row["target_efficiency"] == pytest.approx(1.05 / 1.35)
+    assert row["speedup"] == pytest.approx(1.878545, abs=1e-6)
+    # MoESD's gamma verify tokens: T(2*3) = 0.95 + 0.3 = 1.25 ms, efficiency 1.05/1.25 = 0.84.
+    (row,) = fit.predict(m, 64, (2,), (3,), (0.8,), verify="gamma")
+    assert row["target_efficiency"] == pytest.approx(0.84)
+    # The paper comparison's batch-1 prediction is the predictions' own row.
+    doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
     row = next(r for r in doc["paper_comparison"] if r["gamma"] == 4 and r["alpha"] == 0.7)
     at1 = next(p["speedup"] for p in doc["predictions"] if p["batch"] == 1 and p["gamma"] == 4
                and p["alpha"] == 0.7)
@@ -284,14 +302,20 @@ def test_predictions_use_gamma_plus_one_verify_tokens():
 
 
 def test_speedup_predictor_applies_kv_at_the_runs_context():
+    # The hand-worked fit with k_kv = 1e-6 s per cached slot: at B = 1 the KV read is L us.
+    # alpha 0.8, gamma 4: Omega = (1 - 0.8**5)/0.2 = 3.3616; T(1) = 1.0 ms, T(5) = 1.2 ms, drafts 4*0.1.
+    #   L = 64:   plain 1.064, verify 1.264, round 1.664: S = 3.3616*1.064/1.664 = 2.149485
+    #   L = 512:  plain 1.512, verify 1.712, round 2.112: S = 3.3616*1.512/2.112 = 2.406600
+    #   L = 4096: plain 5.096, verify 5.296, round 5.696: S = 3.3616*5.096/5.696 = 3.007499
+    # (the KV read dominates both steps alike as L grows, so SD gains: MagicDec)
+    predictor = fit.speedup_predictor(hand_fit_doc(k_kv=1e-6))
+    assert predictor(1, 4, 0.8, False, 64) == pytest.approx(2.149485, abs=1e-6)
+    assert predictor(1, 4, 0.8, False, 512) == pytest.approx(2.406600, abs=1e-6)
+    assert predictor(1, 4, 0.8, False, 4096) == pytest.approx(3.007499, abs=1e-6)
+    # A fit to synthetic data with a KV term finds one, and predicts the same gain with context.
     doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
     predictor = fit.speedup_predictor(doc)
-    m = fit.FittedModel.from_document(doc)
-    assert m.k_kv > 0
-    for context in (L, 8 * L):
-        expected = float(m.speedup(2, 4, 0.7, context))
-        assert predictor(2, 4, 0.7, False, context) == pytest.approx(expected)
-    # Longer context: the KV read dominates both steps alike, so SD gains (MagicDec).
+    assert fit.FittedModel.from_document(doc).k_kv > 0
     assert predictor(2, 4, 0.7, False, 64 * L) > predictor(2, 4, 0.7, False, L)
 
 
@@ -309,7 +333,8 @@ def test_cli_fit_on_a_cpu_results_file_chooses_no_worse_than_unique(tmp_path, re
     mape = {v["name"]: v["heldout_mape"] for v in doc["variants"]}
     assert set(mape) == {"unique", "pairs", "mlx"}
     assert mape[doc["chosen"]] <= mape["unique"]
-    assert doc["ridge_tokens"] == pytest.approx(theory.ridge_in_tokens(doc["ridge_flop_per_byte"], "fp32"))
+    # fp32 weights: 4 bytes per parameter and 2 FLOP per weight, so the ridge in tokens is RP*4/2
+    assert doc["ridge_tokens"] == pytest.approx(2 * doc["ridge_flop_per_byte"])
 
 
 @pytest.mark.parametrize("args, fragment", [(["--alpha", "1.5"], "'--alpha'"),
