@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mac_moesd.analysis import acceptance, theory
+from mac_moesd.analysis import acceptance
 
 
 def chain_rounds(alpha, gamma, rounds, seed=0):
@@ -12,10 +12,14 @@ def chain_rounds(alpha, gamma, rounds, seed=0):
 
 
 def test_alpha_is_solved_from_the_mean_accepted_length():
-    for gamma in (1, 2, 4, 8):
-        for alpha in (0.1, 0.5, 0.8, 0.95):
-            L = float(theory.mean_accepted_length(alpha, gamma))
-            assert acceptance.solve_alpha(L, gamma) == pytest.approx(alpha, abs=1e-9)
+    # L = alpha + alpha**2 + ... + alpha**gamma (Leviathan et al., Eq. 1, less the bonus token):
+    #   gamma 1, alpha 0.5: 0.5;  gamma 2, alpha 0.5: 0.5 + 0.25 = 0.75
+    #   gamma 4, alpha 0.8: 0.8 + 0.64 + 0.512 + 0.4096 = 2.3616
+    #   gamma 8, alpha 0.1: 0.1 + 0.01 + ... + 1e-8 = 0.11111111
+    #   gamma 8, alpha 0.95: 0.95*(1 - 0.95**8)/0.05 = 0.95*(1 - 0.66342043128906)/0.05 = 6.395011805507812
+    for L, gamma, alpha in [(0.5, 1, 0.5), (0.75, 2, 0.5), (2.3616, 4, 0.8), (0.11111111, 8, 0.1),
+                            (6.395011805507812, 8, 0.95)]:
+        assert acceptance.solve_alpha(L, gamma) == pytest.approx(alpha, abs=1e-9)
     assert acceptance.solve_alpha(0.0, 4) == 0.0 and acceptance.solve_alpha(4.0, 4) == 1.0
     with pytest.raises(ValueError):
         acceptance.solve_alpha(4.5, 4)
@@ -27,7 +31,8 @@ def test_measured_rounds_give_alpha_not_accepted_over_drafted():
     assert counts.mean() / 4 == pytest.approx(0.59, abs=0.01)
     stats = acceptance.summarise_rounds(counts, 4)
     assert stats["alpha"] == pytest.approx(0.8, abs=0.01)
-    assert stats["sigma"] == pytest.approx(float(theory.normalised_acceptance(0.8, 4)), abs=0.01)
+    # sigma = Omega/(gamma + 1) = (1 - 0.8**5)/0.2/5 = 3.3616/5 = 0.67232
+    assert stats["sigma"] == pytest.approx(0.67232, abs=0.01)
     np.testing.assert_allclose(stats["acceptance_by_position"], [0.8, 0.64, 0.512, 0.4096], atol=0.01)
 
 
@@ -70,9 +75,10 @@ def test_expected_rounds_of_a_constant_rule_is_the_chain():
     a, gamma = 0.6, 4
     probs = np.full((50, gamma), a)
     stats = acceptance.expected_rounds(probs, probs)
-    np.testing.assert_allclose(stats["acceptance_by_position"], [a ** i for i in range(1, gamma + 1)])
+    np.testing.assert_allclose(stats["acceptance_by_position"], [0.6, 0.36, 0.216, 0.1296])  # a**i
     assert stats["alpha"] == pytest.approx(a)
-    assert stats["sigma"] == pytest.approx(float(theory.normalised_acceptance(a, gamma)))
+    # sigma = (1 - 0.6**5)/0.4/5 = (1 - 0.07776)/0.4/5 = 2.3056/5 = 0.46112
+    assert stats["sigma"] == pytest.approx(0.46112)
 
 
 def test_expected_rounds_matches_sampled_acceptance():
