@@ -60,10 +60,15 @@ def test_fit_adds_the_measured_communication(cluster_folder):
     _, doc = cluster_folder
     term = cluster.CommTerm.from_dict(doc["communication"])
     model = fit.FittedModel.from_document(doc)
-    for b, t in ((1, 1), (4, 5), (16, 9)):
-        assert (model.target(b, t, 64) - model.target(b, t, 64, comm=False)) == pytest.approx(term.time(b * t))
+    # The recovered link's C(n) = LAYERS*(LATENCY + n*HIDDEN*4/BANDWIDTH) = 4*(50e-6 + 2048e-9*n):
+    # n = 1: 4*52.048e-6 = 2.08192e-4; n = 4*5 = 20: 4*90.96e-6 = 3.6384e-4;
+    # n = 16*9 = 144: 4*344.912e-6 = 1.379648e-3 s
+    for (b, t), c in zip(((1, 1), (4, 5), (16, 9)), (2.08192e-4, 3.6384e-4, 1.379648e-3)):
+        assert (model.target(b, t, 64) - model.target(b, t, 64, comm=False)) == pytest.approx(c, rel=1e-5)
     section = doc["cluster"]
     assert (section["ranks"], section["parallel"], section["verify_tokens"]) == (2, "expert", "gamma+1")
+    # The section's shares divide by the forwards as the loops run them (pipelined); the values
+    # themselves are worked by hand in test_cluster_rows_worked_by_hand.
     for row in section["rows"]:
         b, g = row["batch"], row["gamma"]
         verify = model.target(b, g + 1, 64, pipelined=True)  # as the loops run it
@@ -128,3 +133,34 @@ def test_dry_run_plans_deepseek_v3_per_rank_on_two_m3_ultras(parallel):
 def test_ranks_need_the_dry_run():
     result = CliRunner().invoke(cli, ["run", "--ranks", "2"])
     assert result.exit_code == 2 and "mlx.launch -n N" in result.stderr
+
+
+def test_cluster_rows_worked_by_hand():
+    # One all-sum per layer over 4 layers, 2048 B per token, 50 us latency, 1 ns per byte:
+    # C(n) = 4*(50e-6 + 1e-9*2048*n): C(1) = 2.08192e-4, C(4) = 2.32768e-4, C(5) = 2.4096e-4,
+    # C(20) = 3.6384e-4 s. T_T(n) = 1 ms + 0.1 ms per token: T(1) 1.1, T(4) 1.4, T(5) 1.5, T(20) 3.0 ms.
+    comm = cluster.CommTerm((cluster.CommKind("all_sum", 4, 2048.0, 50e-6, 1e-9, 3),))
+    calls = []
+
+    def speedup(b, g, alpha, with_comm):
+        calls.append((b, g, alpha, with_comm))
+        return 2.0 if with_comm else 3.0
+
+    rows = cluster.cluster_rows(lambda b, t: 1e-3 + 1e-4 * b * t, comm, speedup, batches=(1, 4), gammas=(4,))
+    one, four = rows
+    # B = 1, gamma 4 (a 5-token verify): shares 2.08192e-4/1.1e-3 = 0.189265 and 2.4096e-4/1.5e-3
+    # = 0.16064; per token 2.08192e-4 plain, 2.4096e-4/5 = 4.8192e-5 in the verify window.
+    assert (one["batch"], one["gamma"], one["verify_tokens"]) == (1, 4, 5)
+    assert one["comm_share_plain"] == pytest.approx(0.189265, abs=1e-6)
+    assert one["comm_share_verify"] == pytest.approx(0.16064)
+    assert (one["comm_per_token_plain_s"], one["comm_per_token_verify_s"]) == (pytest.approx(2.08192e-4),
+                                                                              pytest.approx(4.8192e-5))
+    # B = 4: plain 2.32768e-4/1.4e-3 = 0.166263; verify of 20 tokens 3.6384e-4/3.0e-3 = 0.12128;
+    # per token 2.32768e-4/4 = 5.8192e-5 plain, 3.6384e-4/20 = 1.8192e-5 verify.
+    assert four["comm_share_plain"] == pytest.approx(0.166263, abs=1e-6)
+    assert four["comm_share_verify"] == pytest.approx(0.12128)
+    assert (four["comm_per_token_plain_s"], four["comm_per_token_verify_s"]) == (pytest.approx(5.8192e-5),
+                                                                                pytest.approx(1.8192e-5))
+    # The speedups are the callable's, with the link and without it, at the default alpha 0.7.
+    assert (one["speedup"], one["speedup_free_link"], one["alpha"]) == (2.0, 3.0, 0.7)
+    assert calls == [(1, 4, 0.7, True), (1, 4, 0.7, False), (4, 4, 0.7, True), (4, 4, 0.7, False)]
