@@ -22,7 +22,9 @@ def test_uniform_counts_give_moesds_n_of_bt():
     routing = expert_reads.fit_routing(counts, E, K)
     assert routing.correlation == pytest.approx(1.0, abs=1e-3)
     assert routing.batch_correlation == pytest.approx(1.0, abs=1e-3)
-    assert routing.form_only().unique(3, 7, E, K) == pytest.approx(theory.activated_experts(21, E, K), rel=1e-3)
+    # c = c_batch = 1: 3 sequences of 7 tokens are 21 uniform tokens,
+    # N(21) = 64*(1 - (15/16)**21) = 64*(1 - 0.257868) = 47.49647
+    assert routing.form_only().unique(3, 7, E, K) == pytest.approx(47.49647, rel=1e-3)
 
 
 def test_counted_points_are_used_as_counted_and_the_form_between():
@@ -31,8 +33,22 @@ def test_counted_points_are_used_as_counted_and_the_form_between():
     routing = expert_reads.fit_routing(counts, E, K)
     got = routing.unique(np.array([2, 3, 1]), np.array([4, 4, 1]), E, K)
     assert got[0] == 11.0
-    assert got[1] == pytest.approx(float(routing.form_only().unique(3, 4, E, K)))
-    assert got[2] == pytest.approx(K)  # one token always activates K experts
+    assert got[2] == pytest.approx(4.0)  # one token always activates K = 4 experts
+    # The off-form count pulls the fitted c below 0.5, so the form between is worked on the
+    # Routing built with c = 0.5, c_batch = 1 and that count: (3, 4) is (1 + 1*2)*(1 + 0.5*3)
+    # = 3*2.5 = 7.5 uniform tokens, N = 64*(1 - (15/16)**7.5) = 64*(1 - 0.616289) = 24.55749.
+    direct = expert_reads.Routing(0.5, 1.0, {(2, 4): 11.0})
+    got = direct.unique(np.array([2, 3, 1]), np.array([4, 4, 1]), E, K)
+    np.testing.assert_allclose(got, [11.0, 24.55749, 4.0], rtol=1e-6)
+
+
+def test_routing_form_worked_by_hand():
+    # c = 0.5 within a sequence, c_batch = 0.8 across 3 sequences of 5 tokens:
+    # (1 + 0.8*(3 - 1))*(1 + 0.5*(5 - 1)) = 2.6*3 = 7.8 uniform tokens,
+    # N = 64*(1 - (15/16)**7.8) = 64*(1 - 0.604472) = 25.31381
+    assert expert_reads.Routing(0.5, 0.8).unique(3, 5, E, K) == pytest.approx(25.31381, abs=1e-5)
+    # One sequence of one token: (1 + 0)*(1 + 0) = 1 uniform token, exactly K = 4 experts.
+    assert expert_reads.Routing(0.5, 0.8).unique(1, 1, E, K) == pytest.approx(4.0)
 
 
 def test_a_correlation_the_grid_cannot_see_stays_uniform():
