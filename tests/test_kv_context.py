@@ -101,15 +101,18 @@ def test_a_shortened_cache_holds_the_prompts_first_tokens():
 
 
 def test_the_estimate_counts_the_shortened_copies():
-    built = models.build(models.resolve("tiny-moe"))
+    built = models.build(models.resolve("tiny-moe"), dtype="float32")  # 4 bytes on any backend
     one = memory.sweep_estimate(built, (1, 2, 4), (1, 2), 64, 512)
     two = memory.sweep_estimate(built, (1, 2, 4), (1, 2), 64, 512, shortened=True)
     assert two["peak_bytes"] > one["peak_bytes"] and two["phase"] == "rows"
-    # Every batch's trimmed copy (1 + 2 + 4 sequences) beside the rows copied for batches 1 and 2,
-    # each copy holding the largest cache a forward grows to.
-    per_sequence = (memory.kv_bytes_per_slot(built.config, 4) * built.config["num_hidden_layers"]
-                    * memory.kv_slots(memory.prefill_forwards(64, 512) + [2])[1])
-    assert two["parts"]["kv_rows"] == (1 + 2 + 1 + 2 + 4) * per_sequence
+    # tiny-moe caches keys and values of 4 KV heads x 64 dims in float32: 2*4*64*4 = 2048 B per
+    # slot per layer, x 4 layers = 8192 B. The prompt of 64 is one prefill forward (chunk 512) and
+    # a 2-token forward follows; mlx-lm's KVCache grows by steps of 256 slots, so one 256-slot
+    # buffer holds both: 8192*256 = 2 MiB per sequence.
+    # The batch-4 cache: 4*2 MiB = 8_388_608. Beside it every batch's trimmed copy (1 + 2 + 4
+    # sequences) and the rows copied for batches 1 and 2: 10*2 MiB = 20_971_520.
+    assert two["parts"]["kv"] == 8_388_608
+    assert two["parts"]["kv_rows"] == 20_971_520
 
 
 def test_the_sweep_times_one_token_points_at_the_second_context_and_keeps_them_when_it_changes(tmp_path):
