@@ -77,6 +77,24 @@ def test_refs_main_wins_and_a_missing_shard_is_incomplete(tmp_path):
     assert hfcache.cached_model("org/sharded", tmp_path, need_weights=False) == partial
 
 
+def test_resolve_takes_a_complete_snapshot_over_a_partial_one(tmp_path, monkeypatch):
+    """refs/main names a snapshot whose second shard never arrived; an older one is complete:
+    the model is the complete one, not the partial one with random weights filling the gap."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    index = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    old = snapshot(tmp_path, "org/sharded", rev="old", weights=tuple(index.values()), index=index, ref=False)
+    snapshot(tmp_path, "org/sharded", rev="new", weights=(index["a"],), index=index)
+    assert models.resolve("org/sharded").weights_dir == old
+
+
+def test_a_partial_snapshot_alone_is_refused_naming_the_missing_shard(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    index = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    snapshot(tmp_path, "org/partial", weights=(index["a"],), index=index)
+    with pytest.raises(MacMoesdError, match="lacks 1 of the 2 weight files .*: model-00002-of-00002.safetensors"):
+        models.resolve("org/partial")
+
+
 def test_resolve_names_a_cached_model_by_its_repo_id(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     snapshot(tmp_path, "org/config-only", weights=())

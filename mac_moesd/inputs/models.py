@@ -62,7 +62,8 @@ def resolve(model: str) -> ModelSource:
     if path.suffix == ".json" or path.exists():
         return ModelSource(path.parent.name or path.stem, zoo.read_config(path))
     if "/" in model:
-        cached = hfcache.cached_model(model, need_weights=False)
+        # A snapshot with all its weights first; a config-only one (random weights) otherwise.
+        cached = hfcache.cached_model(model) or hfcache.cached_model(model, need_weights=False)
         if cached is None:
             raise MacMoesdError(
                 f"{model!r} is not a directory and not in the local Hugging Face cache at "
