@@ -5,10 +5,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mac_moesd.analysis import fit, theory
+from mac_moesd.analysis import fit
 from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.reporting import formatting
-from test_fit import L, synthetic_results
+from test_fit import L, hand_fit_doc, synthetic_results
 from test_pipelining import with_pipelined
 
 FAST = 0.8  # a one-row forward below any smooth curve through the others, as MLX's M = 1 path
@@ -33,7 +33,8 @@ def test_the_one_row_forward_is_the_timed_one_carried_to_another_context(result)
     sync = {(b, t): s for b, t, s in i.target}[(1, 1)]
     pipe = {(b, t): s for b, t, s in i.target_pipelined}[(1, 1)]
     later = L + 100
-    kv = float(theory.kv_time(1, later, m.k_kv) - theory.kv_time(1, L, m.k_kv))
+    # The KV term k_kv*B*L + k_seq*B at L + 100 less at L, B = 1: k_seq cancels, 100*k_kv is left.
+    kv = 100 * m.k_kv
     assert m.k_kv > 0 and kv > 0
     assert float(m.target(1, 1, later)) == pytest.approx(sync + kv, rel=1e-12)
     assert float(m.target(1, 1, later, pipelined=True)) == pytest.approx(pipe + kv, rel=1e-12)
@@ -89,6 +90,24 @@ def test_what_ifs_and_moesds_curve_do_not_take_the_timed_forward(result):
     pipe = replace(curve, pipelining=result.pipelining)
     errors = [float(pipe.target(b, t, L, pipelined=True)) / s - 1 for b, t, s in result.inputs.target_pipelined]
     assert result.pipelining.target_mape == pytest.approx(float(np.mean(np.abs(errors))), rel=1e-12)
+
+
+def test_the_timed_one_row_forward_worked_by_hand():
+    # test_fit's hand-worked fit (T_T(n) = 0.95 + 0.05n ms, T_D = 0.1 ms, k_kv = 1 us per slot,
+    # nothing pipelined) with T_T(1,1) timed at context 64: 0.8 ms, 0.7 ms pipelined; the curve
+    # says 1.0 + 0.064 = 1.064 ms there.
+    doc = hand_fit_doc(k_kv=1e-6)
+    doc["one_row"] = {"context": 64, "sync_s": 0.8e-3, "pipelined_s": 0.7e-3}
+    m = fit.FittedModel.from_document(doc)
+    # Carried 100 slots further by the KV term: 0.8 + 0.1 = 0.9 ms, 0.7 + 0.1 = 0.8 ms pipelined.
+    assert float(m.target(1, 1, 164)) == pytest.approx(0.9e-3, rel=1e-12)
+    assert float(m.target(1, 1, 164, pipelined=True)) == pytest.approx(0.8e-3, rel=1e-12)
+    # alpha 0.8, gamma 4 at context 64: Omega 3.3616, plain decode the pipelined 0.7 ms, the verify
+    # the curve's T(5) + 0.064 = 1.264 ms, drafts 4*0.1: S = 3.3616*0.7/1.664 = 2.35312/1.664 = 1.414135.
+    assert float(m.speedup(1, 4, 0.8, 64)) == pytest.approx(1.414135, abs=1e-6)
+    # Self-drafting, each draft step is the synchronous one-row forward, 0.8 ms (nothing hidden):
+    # round 4*0.8 + 1.264 = 4.464 ms, S = 2.35312/4.464 = 0.527133.
+    assert float(m.speedup(1, 4, 0.8, 64, self_draft=True)) == pytest.approx(0.527133, abs=1e-6)
 
 
 def test_one_row_round_trip_and_absence():
