@@ -1,10 +1,11 @@
 import json
+import math
 
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd.analysis import acceptance, fit
+from mac_moesd.analysis import fit
 from mac_moesd.measure import sampling, spec
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
@@ -61,7 +62,8 @@ def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
     assert mlx_run["engine"] == "mlx-lm" and mlx_run["mode"] == "real"
     assert mlx_run["tokens_per_s_sd"] > 0
     for run in doc["runs"]:
-        assert run["alpha"] == pytest.approx(acceptance.solve_alpha(run["mean_accepted"], 2))
+        # gamma 2: L = a + a**2, so a = (sqrt(1 + 4L) - 1)/2 (the root in [0, 1])
+        assert run["alpha"] == pytest.approx((math.sqrt(1 + 4 * run["mean_accepted"]) - 1) / 2)
         assert run["sigma"] == pytest.approx((run["mean_accepted"] + 1) / 3)
     assert calls == [r["alpha"] for r in doc["runs"]]
 
