@@ -3,7 +3,7 @@
 Usable memory is the smaller of the ceiling (Metal's recommended working set on a Mac, device
 memory on CUDA, RAM elsewhere) and what is free now, less a margin, and capped by
 ``--memory-limit`` / ``MAC_MOESD_MEMORY_LIMIT``. MLX does not refuse an allocation past the
-working set (DESIGN.md section 4), so every stage estimates its peak from shapes alone, before
+working set (docs/design.md §5), so every stage estimates its peak from shapes alone, before
 allocating, with the formulas below, and records ``mx.get_peak_memory()`` beside the estimate.
 """
 
