@@ -76,7 +76,7 @@ def vm_stat_free_bytes(text: str) -> int | None:
 
 def working_set_bytes(memory_bytes: int) -> int:
     """Metal's recommended working set for a Mac with this much RAM when it cannot be asked:
-    about 2/3 of RAM up to 32 GiB, 3/4 above (DESIGN.md section 4)."""
+    about 2/3 of RAM up to 32 GiB, 3/4 above (docs/design.md §5)."""
     return memory_bytes * 2 // 3 if memory_bytes <= 32 * GiB else memory_bytes * 3 // 4
 
 
