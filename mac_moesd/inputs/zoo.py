@@ -161,7 +161,7 @@ ZOO: tuple[ZooEntry, ...] = (
         "head_dim": 128, "vocab_size": _QWEN_VOCAB, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
     }, _hf("Qwen/Qwen3-0.6B")),
-    # CI-sized models (DESIGN.md section 5). tiny-dense has tiny-moe's active FFN width:
+    # CI-sized models (docs/design.md §6). tiny-dense has tiny-moe's active FFN width:
     # 4 experts x 256 = 1024, so the two differ only in how many experts a token stream loads.
     ZooEntry("tiny-moe", "test", {
         "model_type": "qwen3_moe", "hidden_size": 512, "num_hidden_layers": 4,
