@@ -353,7 +353,7 @@ def build(
     else:
         model.set_dtype(DTYPES[dtype])
         if bits is not None:
-            # On CPU, quantize from float32 (DESIGN.md section 5): float16 scales are 20-35x slower.
+            # On CPU, quantize from float32 (docs/design.md §6): float16 scales are 20-35x slower.
             # Its only print is the bits per weight, which the footprint records: dropped, so a
             # lazy build (zoo, dry run) says nothing.
             with contextlib.redirect_stdout(io.StringIO()):
