@@ -9,7 +9,7 @@ size. Its bytes grow with the n = B*t tokens of the forward, so per forward
     C(n) = sum over kinds k of count_k * (latency_k + seconds_per_byte_k * bytes_per_token_k * n)
 
 and the fitted time model becomes T(n) = Algorithm 1 + C(n). The latency part does not grow
-with n: a verify forward of gamma+1 tokens pays it once for gamma+1 tokens (DESIGN.md section 1).
+with n: a verify forward of gamma+1 tokens pays it once for gamma+1 tokens (docs/design.md §2.9).
 Pure numpy and scipy: no MLX.
 """
 
