@@ -205,7 +205,7 @@ def test_sweep_records_both_timings_at_every_point(tmp_path):
         pipe = row["pipelined"]
         assert pipe["steps"] == (TINY_BUDGET.decode_chain if row["tokens"] == 1 else sweep.PIPELINED_STEPS)
         assert pipe["repeats"] >= TINY_BUDGET.min_repeats
-        assert 0 < pipe["median_s"] < 10 * row["median_s"]
+        assert pipe["median_s"] > 0 and row["median_s"] > 0  # no ratio of two sub-ms timings
     assert {(r["batch"], r["tokens"]) for r in doc["points"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     # Kept on a rerun: nothing is measured again.
     again = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
