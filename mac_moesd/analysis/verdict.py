@@ -2,7 +2,7 @@
 
 From a fitted time model and the acceptance measured on each prompt set. One SD round costs
 ``gamma*T_D(B,1) + T_T(B,gamma+1) + T_rej(B)`` and yields ``Omega = sigma*(gamma+1)`` tokens, where
-plain decode pays ``T_T(B,1)`` per token (MoESD's S(B, gamma), docs/design.md §2.5 and §3.8). When no gamma
+plain decode pays ``T_T(B,1)`` per token (MoESD's S(B, gamma), docs/design.md §3.8). When no gamma
 gives S > 1, the deciding term is the one whose removal would raise S the most:
 - drafter cost: the round without its gamma drafter steps;
 - verify cost: the verify forward at the price of one plain step (what a memory-bound dense
