@@ -3,7 +3,7 @@ them, else the anchored correlation forms fitted to those counts.
 
 Every MoE point of a sweep records the unique experts per MoE layer its routing chose
 (``unique_experts``). Real and random-weight routers reuse experts across consecutive tokens, so
-these counts sit well below MoESD's uniform N(B*t) (DESIGN §5: a random model's 16 consecutive
+these counts sit well below MoESD's uniform N(B*t) (docs/design.md §6: a random model's 16 consecutive
 tokens hit 19.5 of 60 experts, against 40.1 uniform), and the time model's expert-read term must
 follow them. Off the counted grid, B independent sequences act like 1 + c_batch*(B - 1) uniform
 tokens and each sequence's t consecutive tokens like 1 + c*(t - 1) (the anchored form, exact K at
