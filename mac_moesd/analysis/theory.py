@@ -196,7 +196,7 @@ def kv_time(batch: ArrayLike, context: ArrayLike, k_kv: float, k_seq: float = 0.
     return batch * (k_seq + k_kv * np.asarray(context, dtype=float))
 
 
-# How a forward reads the experts its tokens picked (DESIGN §1, "expert loads as MLX executes them").
+# How a forward reads the experts its tokens picked (docs/design.md §2.7).
 # unique: each activated expert once per forward (MoESD Algorithm 1, k2*N(n));
 # pairs: one read per (token, expert) pair (k2*n*K), what an unsorted gather does;
 # mlx: pairs below mlx-lm's sort threshold on indices.size = n*K, unique at and above it.
