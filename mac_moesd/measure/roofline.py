@@ -425,7 +425,7 @@ def run_roofline(
     cfg: RooflineConfig, spec: dict | None, backend: str, progress=lambda label: None, seed: int = 0,
     usable_bytes: int | None = None, shrunk: dict | None = None,
 ) -> dict:
-    """Measure everything and return the roofline document of DESIGN.md section 3; its memory
+    """Measure everything and return the roofline document of docs/design.md §7.4; its memory
     entry is the estimate beside the measured peak (``memory.record``) and the wired limit, and
     ``shrunk`` what ``fit_memory`` changed to fit (None: ran as configured)."""
     rng = random.Random(seed)
