@@ -511,7 +511,7 @@ def run_sweep(
     progress: Progress = Progress(),
     build: Builder = models.build,
 ) -> dict:
-    """Measure (resuming what ``store`` has) and return the sweep document of DESIGN.md section 3.
+    """Measure (resuming what ``store`` has) and return the sweep document of docs/design.md §7.5.
     ``build`` builds the target (the drafter is always built whole)."""
     rng = random.Random(cfg.seed)
     source = validate(cfg)
