@@ -5,7 +5,7 @@
 - ``uniform``: each token picks K of E experts uniformly without replacement, independently of
   every other token: MoESD's assumption, under which B*t tokens activate N(B*t) experts;
 - ``correlated:C``: each sequence's consecutive tokens reuse experts so that t of them activate
-  N(1 + C*(t-1)) in expectation (DESIGN.md section 1's anchored form), sequences independent;
+  N(1 + C*(t-1)) in expectation (docs/design.md §2.3's anchored form), sequences independent;
 - ``trace:FILE``: the choices a real model made on real text (``routing --save-trace``).
 
 The router's gate still runs (its cost stays in T_T); only the indices the experts receive are
