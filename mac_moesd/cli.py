@@ -756,7 +756,8 @@ def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, t
         total = int(memory_gib * memory.GiB)
         ceiling = memory.working_set_bytes(total)
         usable = memory.usable_from(ceiling, None, limit,
-                                    "working set of a Mac with this RAM (DESIGN.md section 4); "
+                                    "working set of a Mac with this RAM (2/3 of it up to 32 GiB, 3/4 above; "
+                                    "docs/design.md §5); "
                                     "nothing else assumed running")
         rates = plan.chip_rates(spec)
     else:
