@@ -481,7 +481,13 @@ def _fit_into(path, busy, model, alpha, verify_tokens, as_json) -> None:
               help="Prompt tokens of random ids (random-weight models; real prompts set their own).")
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens each sequence generates per timed run.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=8, show_default=True,
+              help="The fewest (plain, SD) pairs per configuration.")
+@click.option("--precision", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.03,
+              show_default=True, help="Add pairs until the 95% CI of the median speedup is within "
+                                      "+-this fraction of it...")
+@click.option("--budget", "budget_s", type=click.FloatRange(0, min_open=True), default=120.0,
+              show_default=True, help="...or this many seconds of the configuration are spent.")
 @click.option("--prompts", default=None,
               help="code, chat (built-in sets) or FILE (text: blank-line-separated prompts; "
                    ".jsonl: a 'prompt' field per line), through the model's tokenizer and chat "
@@ -493,8 +499,8 @@ def _fit_into(path, busy, model, alpha, verify_tokens, as_json) -> None:
 @memory_limit_option
 @out_option()
 @json_option
-def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, prompts,
-                 temperatures, max_prompts, memory_limit, out, as_json) -> None:
+def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, precision,
+                 budget_s, prompts, temperatures, max_prompts, memory_limit, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction.
 
     With --mode real on a model with weights, also the drafter's acceptance on a prompt set
@@ -507,7 +513,8 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
 
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
-                     prompts=prompts, temperatures=temperatures, max_prompts=max_prompts)
+                     precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
+                     max_prompts=max_prompts)
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out)
     from mac_moesd.inputs import models
@@ -520,7 +527,8 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
         warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
              "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")
     with hardware.measuring_stage():
-        document = run_spec(cfg, predictor, usable.usable_bytes)
+        document = run_spec(cfg, predictor, usable.usable_bytes,
+                            fit.sweep_plain_step(store.data, models.resolve(target).name))
     key = f"{document['target']}|{document['draft']}|{mode}"
     if document["prompts"]["count"]:
         key += f"|{document['prompts']['name']}"

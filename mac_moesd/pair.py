@@ -201,9 +201,10 @@ def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | Non
             cfg = spec.SpecConfig(target=plan.target_arg, draft=plan.draft_arg, batches=base.spec_batches,
                                   gammas=base.spec_gammas, mode="real", context=base.context,
                                   new_tokens=base.spec_tokens, repeats=base.spec_repeats,
-                                  prompts=prompt_set, temperatures=plan.temperatures,
-                                  max_prompts=plan.max_prompts)
-            store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), usable()))
+                                  budget_s=base.spec_budget_s, prompts=prompt_set,
+                                  temperatures=plan.temperatures, max_prompts=plan.max_prompts)
+            store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), usable(),
+                                                 fit.sweep_plain_step(data, plan.target)))
 
         run_stage(f"spec {plan.target} on {prompt_set}", measure_spec)
     if serving is not None:

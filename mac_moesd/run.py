@@ -35,8 +35,9 @@ class Plan:
     spec_batches: tuple[int, ...]
     spec_gammas: tuple[int, ...]
     spec_tokens: int
-    spec_repeats: int
+    spec_repeats: int  # the fewest (plain, SD) pairs per configuration
     routing_batches: tuple[int, ...]
+    spec_budget_s: float = 120.0  # seconds per SD configuration to reach its precision
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -53,7 +54,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
             budget=timing.QUICK if quick else timing.Budget(seconds_per_point=1.0),
             roofline=roofline.QUICK if quick else roofline.RooflineConfig(sizes=roofline.QUICK.sizes + (512 * roofline.MiB,)),
             spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
-            spec_repeats=3 if quick else 5, routing_batches=(1, 2, 4, 8, 16, 32),
+            spec_repeats=8, routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
         )
     # --quick fits about 5 minutes on an 8 GB M1 by the dry run's estimate (mac_moesd/plan.py):
     # the sparse MoE only, context 256, batches to 8 and two SD batch sizes; the less sparse MoE,
@@ -68,8 +69,8 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
         budget=timing.QUICK if quick else timing.Budget(),
         roofline=roofline.QUICK if quick else roofline.RooflineConfig(),
         spec_batches=(1, 4) if quick else (1, 2, 4, 8), spec_gammas=(2, 4),
-        spec_tokens=32 if quick else 64, spec_repeats=3 if quick else 5,
-        routing_batches=(1, 2, 4, 8, 16, 32),
+        spec_tokens=32 if quick else 64, spec_repeats=8,
+        routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
     )
 
 
@@ -273,8 +274,10 @@ def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None,
             raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
         cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
-                              new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, bits=plan.bits)
-        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), usable())
+                              new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
+                              budget_s=plan.spec_budget_s, bits=plan.bits)
+        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), usable(),
+                                 fit.sweep_plain_step(data, target))
         store.put("spec", key, document)
 
     run_stage(f"spec {target}", measure_spec)

@@ -29,7 +29,9 @@ def test_self_draft_accepts_everything():
         assert run["mode"] == "self-draft"
         assert run["mean_accepted"] == 2 and run["alpha"] == 1.0 and run["sigma"] == 1.0
         assert run["acceptance_by_position"] == [1.0, 1.0]
-        assert run["predicted_speedup"] is None
+        # No fit: the prediction is the one from this stage's own timed forwards.
+        assert run["predicted_by"]["model"] is None and run["predicted_from"] == "measured"
+        assert run["predicted_speedup"] == run["predicted_by"]["measured"] > 0
 
 
 def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
@@ -40,14 +42,15 @@ def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
         return 1.5
 
     doc = spec.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
-    assert [(r["batch"], r["alpha"]) for r in doc["runs"]] == [(1, 0.5), (2, 0.5)]
-    # The run's own context, not the fit's, goes to the predictor: the cache's mean length over
-    # the decode, from the 8-token prompt to 8 + 16.
-    # The prediction is at the acceptance the draws realised, which the measured speedup came from.
-    assert calls == [(r["batch"], 2, r["measured_alpha"], False, 16) for r in doc["runs"]]
+    # The predictor says 1.5 at every gamma, so gamma 1 (the first best) is timed beside gamma 2.
+    assert [(r["batch"], r["gamma"], r["asked"]) for r in doc["runs"]] == [
+        (1, 2, True), (1, 1, False), (2, 2, True), (2, 1, False)]
+    # Each run's prediction: the run's own context, not the fit's (the cache's mean length over
+    # the decode, from the 8-token prompt to 8 + 16), at the acceptance the draws realised.
     for run in doc["runs"]:
-        assert 0.0 <= run["measured_alpha"] <= 1.0 and run["predicted_speedup"] == 1.5
-        assert run["rounds"] > 0 and len(run["acceptance_by_position"]) == 2
+        assert (run["batch"], run["gamma"], run["measured_alpha"], False, 16) in calls
+        assert 0.0 <= run["measured_alpha"] <= 1.0 and run["predicted_by"]["model"] == 1.5
+        assert run["rounds"] > 0 and len(run["acceptance_by_position"]) == run["gamma"]
 
 
 def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
@@ -58,6 +61,7 @@ def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
         return 1.0
 
     doc = spec.run_spec(small("real", batches=(1, 2), new_tokens=8), predictor)
+    doc["runs"] = [r for r in doc["runs"] if r["asked"]]
     mlx_run, loop_run = doc["runs"]
     assert mlx_run["engine"] == "mlx-lm" and mlx_run["mode"] == "real"
     assert mlx_run["tokens_per_s_sd"] > 0
@@ -65,7 +69,8 @@ def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
         # gamma 2: L = a + a**2, so a = (sqrt(1 + 4L) - 1)/2 (the root in [0, 1])
         assert run["alpha"] == pytest.approx((math.sqrt(1 + 4 * run["mean_accepted"]) - 1) / 2)
         assert run["sigma"] == pytest.approx((run["mean_accepted"] + 1) / 3)
-    assert calls == [r["alpha"] for r in doc["runs"]]
+    for run in doc["runs"]:
+        assert run["alpha"] in calls
 
 
 def test_rejection_sample_accepts_identical_distributions():
@@ -105,7 +110,8 @@ def test_a_timed_runs_speedup_carries_the_range_over_its_pairs():
     from mac_moesd.reporting.formatting import measured_speedup
 
     out = [Decoded(10)] * 3
-    row = spec.summarise_pairs(out, [1.0, 1.0, 1.0], out, [0.5, 1.0, 0.8])  # pair speedups 2, 1, 1.25
+    row = spec.summarise_pairs(out, [1.0, 1.0, 1.0], out, [0.5, 1.0, 0.8],  # pair speedups 2, 1, 1.25
+                               spec.Precision(3, 0.03, 30.0))
     assert row["measured_speedup"] == pytest.approx(1.25)
     assert row["speedup_range"] == pytest.approx([1.0, 2.0])
     assert measured_speedup({**row, "repeats": 3}) == "1.25 (1.00-2.00)"
@@ -137,8 +143,10 @@ def test_mlx_lm_leaves_a_forward_queued_and_each_timed_run_waits_for_it_first(mo
     events = []
     monkeypatch.setattr(spec.mx, "synchronize", lambda stream=None: events.append(
         "wait generation" if stream is generation_stream else "wait default"))
-    spec.paired(lambda: events.append("plain"), lambda: events.append("sd"), 2,
-                lambda i: events.append(f"prepare {i}"))
+    from mac_moesd.measure.spec_loop import Decoded
+
+    spec.paired(lambda: events.append("plain") or Decoded(1), lambda: events.append("sd") or Decoded(1),
+                lambda i: events.append(f"prepare {i}"), spec.Precision(2, 0.5, 60.0))
     ready = lambda i: [f"prepare {i}", "wait generation", "wait default"]  # noqa: E731
     assert events == [*ready(0), "plain", *ready(0), "sd",  # the warm-up pair
                       *ready(0), "plain", *ready(0), "sd", *ready(1), "plain", *ready(1), "sd",

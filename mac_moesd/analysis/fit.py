@@ -47,7 +47,7 @@ from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import BadInput, MacMoesdError
 
 __all__ = ["FitInputs", "FitResult", "FittedModel", "VariantFit", "fit", "fit_document",
-           "inputs_from_results", "mlx_sort_threshold", "predict", "speedup_predictor"]
+           "inputs_from_results", "mlx_sort_threshold", "predict", "speedup_predictor", "sweep_plain_step"]
 
 DEFAULT_ALPHAS = (0.5, 0.7, 0.9)
 DEFAULT_GAMMAS = tuple(range(1, 9))
@@ -817,11 +817,28 @@ def run_alpha(run: dict) -> float | None:
 
 def run_prediction(predictor, run: dict, doc: dict) -> float | None:
     """A timed SD run's speedup as ``predictor`` (``speedup_predictor``) gives it at the run's
-    realised alpha and context, or as stored with the run when there is no predictor or alpha."""
+    realised alpha and context, or the fitted model's as stored with the run when there is no
+    predictor or alpha (runs made before ``predicted_by`` stored the model's as
+    ``predicted_speedup``)."""
     alpha = run_alpha(run)
     if predictor is None or alpha is None:
-        return run["predicted_speedup"]
+        return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
     return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
+
+
+def sweep_plain_step(data: dict, model: str):
+    """A function batch -> the sweep's pipelined T_T(B,1) of ``model`` at full depth (seconds),
+    or None where the sweep did not time it; None when the results hold no sweep of ``model``."""
+    views = [m for m in Digest(data).models if m.name == model]
+    if not views:
+        return None
+    points, _ = full_depth_points(views[0].entries, "pipelined_points")
+
+    def step(batch: int) -> float | None:
+        point = points.get(f"{batch}x1")
+        return float(point["median_s"]) if point else None
+
+    return step
 
 
 def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):

@@ -9,7 +9,11 @@ or a file) through its tokenizer; pair i of the timed runs uses prompts i*B .. i
 (cycling), each batch's prompts cut to its shortest, keeping their ends. A random-weight model
 decodes random token ids of ``context`` tokens. The prompt is prefilled outside the timed region;
 the timed region is decode only. Plain and speculative runs alternate on the same prompt, and the
-speedup is the median of per-pair ratios. At temperature 0 every speculative output is compared
+speedup is the median of per-pair ratios, measured to a stated precision: pairs are added until
+the 95% bootstrap confidence interval of that median is within +-``precision`` of it, or the
+configuration's time ``budget_s`` is spent (``repeats`` is the fewest pairs). After each pair the
+round's parts are timed on the same decoder (``round_parts``), so that a prediction from this
+stage's own forwards stands beside the fitted model's. At temperature 0 every speculative output is compared
 with the plain greedy output of the same pair (``greedy_check``); at temperature > 0 both sample,
 seeded, with mlx-lm's acceptance rule. In ``real`` mode with prompts, an untimed pass over the
 prompt set (``acceptance_run``) records acceptance per gamma and temperature, with both acceptance
@@ -18,9 +22,11 @@ rules at temperature > 0.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +38,9 @@ from mac_moesd.analysis.fit import decoding_context, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.machine import memory
+from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
+from mac_moesd.measure.round_parts import RoundParts, round_prediction
 from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt
 from mac_moesd.measure.sweep import PREFILL_CHUNK
 
@@ -40,6 +48,8 @@ __all__ = ["SpecConfig", "run_spec"]
 
 MODES = ("real", "self-draft", "emulated-acceptance")
 RANDOM_IDS = "random token ids"
+CANDIDATE_GAMMAS = tuple(range(1, 9))  # the draft lengths a recommendation is chosen from
+PLAIN_VS_SWEEP_FLAG = 0.15  # the machine changed between the sweep and this stage beyond this
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,9 @@ class SpecConfig:
     mode: str = "emulated-acceptance"
     context: int = 64  # prompt tokens of a random-weight model (real prompts set their own)
     new_tokens: int = 32  # tokens each sequence generates per timed run
-    repeats: int = 3
+    repeats: int = 8  # the fewest (plain, SD) pairs a configuration takes
+    precision: float = 0.03  # pairs until the median ratio's 95% CI is within +-this of it...
+    budget_s: float = 120.0  # ...or this many seconds of the configuration are spent
     bits: int | None = None
     seed: int = 0
     prompts: str | None = None  # code|chat|FILE; None: code for a model with weights
@@ -66,6 +78,8 @@ class SpecConfig:
             raise BadInput("--alpha values must be in (0, 1)")
         if min(self.batches) < 1 or min(self.gammas) < 1 or self.new_tokens < 1 or self.repeats < 1:
             raise BadInput("--batch, --gamma, --tokens and --repeats must be >= 1")
+        if not 0 < self.precision < 1 or self.budget_s <= 0:
+            raise BadInput("--precision must be in (0, 1) and --budget > 0")
         if any(t < 0 for t in self.temperatures):
             raise BadInput("--temperature values must be >= 0")
         if self.mode != "real" and any(t != 0 for t in self.temperatures):
@@ -119,21 +133,55 @@ def settle() -> None:
     mx.synchronize()
 
 
-def paired(plain, speculative, repeats: int, prepare) -> tuple[list[float], list[float], list, list]:
+@dataclass(frozen=True)
+class Precision:
+    """When a configuration has enough (plain, SD) pairs: at least ``min_pairs``, then once the
+    95% bootstrap CI of the median per-pair speedup is within +-``target`` of the median, or
+    ``budget_s`` seconds of the configuration are spent."""
+
+    min_pairs: int
+    target: float
+    budget_s: float
+
+    @classmethod
+    def of(cls, cfg: SpecConfig) -> Precision:
+        return cls(cfg.repeats, cfg.precision, cfg.budget_s)
+
+    def half_width(self, speedups: list[float]) -> float:
+        low, high = timing.bootstrap_median_ci(speedups)
+        return (high - low) / 2 / statistics.median(speedups)
+
+    def enough(self, speedups: list[float], elapsed_s: float) -> bool:
+        if len(speedups) < self.min_pairs:
+            return False
+        return elapsed_s >= self.budget_s or self.half_width(speedups) <= self.target
+
+
+def pair_speedup(plain: Decoded, plain_s: float, spec: Decoded, spec_s: float) -> float:
+    """SD tokens/s over plain tokens/s of one pair."""
+    return (spec.tokens / spec_s) / (plain.tokens / plain_s)
+
+
+def paired(plain, speculative, prepare, precision: Precision,
+           between: Callable[[int], None] | None = None) -> tuple[list[float], list[float], list, list]:
     """Alternate plain and speculative runs (after one warm-up of each, which compiles every
-    shape), so drift and background load hit both alike. ``prepare(i)`` readies pair i (its
-    prompt, caches back to the prefill) outside the timed region, which then waits for the
-    device to finish all earlier work (``settle``). Returns both lists of times and of results."""
+    shape), so drift and background load hit both alike, until ``precision`` says there are
+    enough pairs. ``prepare(i)`` readies pair i (its prompt, caches back to the prefill) outside
+    the timed region, which then waits for the device to finish all earlier work (``settle``);
+    ``between(i)``, called on pair i's readied caches after its two runs, times what else the
+    stage measures beside them. Returns both lists of times and of results."""
     def ready(index):
         prepare(index)
         settle()
 
+    started = time.perf_counter()
     ready(0)
     plain()
     ready(0)
     speculative()
-    plain_times, spec_times, plain_out, spec_out = [], [], [], []
-    for i in range(repeats):
+    plain_times, spec_times, plain_out, spec_out, speedups = [], [], [], [], []
+    i = 0
+    while not precision.enough(speedups, time.perf_counter() - started):
         ready(i)
         start = time.perf_counter()
         plain_out.append(plain())
@@ -142,12 +190,19 @@ def paired(plain, speculative, repeats: int, prepare) -> tuple[list[float], list
         start = time.perf_counter()
         spec_out.append(speculative())
         spec_times.append(time.perf_counter() - start)
+        speedups.append(pair_speedup(plain_out[-1], plain_times[-1], spec_out[-1], spec_times[-1]))
+        if between is not None:
+            ready(i)
+            between(i)
+        i += 1
     prepare(None)
     return plain_times, spec_times, plain_out, spec_out
 
 
-def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decoded], spec_times) -> dict:
-    """Median tokens/s both ways, their CVs, and the median and range of the per-pair speedups."""
+def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decoded], spec_times,
+                    precision: Precision) -> dict:
+    """Median tokens/s both ways, their CVs, and the median, range and 95% bootstrap CI of the
+    per-pair speedups, with whether the CI met the precision asked for."""
     plain_rates = [d.tokens / t for d, t in zip(plain_out, plain_times)]
     spec_rates = [d.tokens / t for d, t in zip(spec_out, spec_times)]
     speedups = [s / p for s, p in zip(spec_rates, plain_rates)]
@@ -162,6 +217,11 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "cv_sd": cv(spec_rates),
         "measured_speedup": statistics.median(speedups),
         "speedup_range": [min(speedups), max(speedups)],
+        "pairs": len(speedups),
+        "measured_ci": list(timing.bootstrap_median_ci(speedups)),
+        "precision": precision.target,
+        "precision_met": precision.half_width(speedups) <= precision.target,
+        "budget_s": precision.budget_s,
     }
 
 
@@ -195,11 +255,22 @@ class Decoders:
     def context(self) -> int:
         return self.current.context
 
+    def parts_timer(self, parts: RoundParts | None) -> Callable[[int], None] | None:
+        """``paired``'s ``between``: one sample of each of the round's parts on the current
+        decoder's caches, in an order shuffled from a fixed seed."""
+        if parts is None:
+            return None
+        order = random.Random(0)
+        return lambda index: parts.time(self.target, self.draft, self.current.target_rolled,
+                                        self.current.draft_rolled, order)
+
 
 def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: float,
-                  repeats: int) -> tuple[dict, list[Decoded], list[Decoded]]:
+                  precision: Precision, parts: RoundParts | None = None,
+                  ) -> tuple[dict, list[Decoded], list[Decoded]]:
     """Batch 1 with mlx-lm's own speculative decoding against its own plain decode, on the
-    decoder's prefilled caches (``prompt_cache``: the target's layers, then the drafter's)."""
+    decoder's prefilled caches (``prompt_cache``: the target's layers, then the drafter's);
+    ``parts`` times the round's forwards after each pair."""
     sampler = make_sampler(temp=temperature)
     contexts = []
 
@@ -222,14 +293,17 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
         rounds = acceptance.mlx_lm_rounds([bool(flag) for _, _, flag in steps], gamma, new_tokens)
         return Decoded(new_tokens, rounds, np.array([[t for t, _, _ in steps]]))
 
-    plain_times, spec_times, plain_out, spec_out = paired(plain, spec, repeats, prepare)
-    row = summarise_pairs(plain_out, plain_times, spec_out, spec_times)
+    plain_times, spec_times, plain_out, spec_out = paired(plain, spec, prepare, precision,
+                                                          decoders.parts_timer(parts))
+    row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, precision)
+    row["plain_step_s"] = statistics.median(plain_times) / new_tokens
     return {**row, "engine": "mlx-lm", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
 
 
 def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | None, temperature: float,
-             rng: np.random.Generator) -> tuple[dict, list[Decoded], list[Decoded]]:
-    """The suite's loop at the decoders' batch, paired with its plain decode."""
+             rng: np.random.Generator, parts: RoundParts | None = None) -> tuple[dict, list[Decoded], list[Decoded]]:
+    """The suite's loop at the decoders' batch, paired with its plain decode; ``parts`` times
+    the round's forwards after each pair."""
     contexts = []
 
     def prepare(index):
@@ -240,8 +314,9 @@ def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | Non
     plain_times, spec_times, plain_out, spec_out = paired(
         lambda: decoders.current.plain(cfg.new_tokens, temperature),
         lambda: decoders.current.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=rng),
-        cfg.repeats, prepare)
-    row = summarise_pairs(plain_out, plain_times, spec_out, spec_times)
+        prepare, Precision.of(cfg), decoders.parts_timer(parts))
+    row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, Precision.of(cfg))
+    row["plain_step_s"] = statistics.median(plain_times) / cfg.new_tokens
     return {**row, "engine": "mac-moesd loop", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
 
 
@@ -308,11 +383,53 @@ def rules_worth(entry: dict, row: dict, predictor, batch: int, context: float) -
     return out
 
 
-def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None) -> dict:
+def recommended_gamma(predictor, batch: int, alpha: float | None, context: float) -> int | None:
+    """The draft length with the highest predicted speedup at ``alpha`` (None: no predictor or
+    no acceptance), so that the stage times the configuration a verdict would recommend."""
+    if predictor is None or alpha is None:
+        return None
+    speeds = {g: predictor(batch, g, alpha, False, context) for g in CANDIDATE_GAMMAS}
+    speeds = {g: s for g, s in speeds.items() if s is not None}
+    return max(speeds, key=speeds.get) if speeds else None
+
+
+def pooled_alpha(entries: list[dict]) -> float | None:
+    """One alpha from the acceptance pass's entries of one temperature (the rule as run), their
+    solved alphas weighted by rounds, as the verdict pools them."""
+    rounds = sum(e["measured"]["rounds"] for e in entries)
+    if not rounds:
+        return None
+    return sum(e["measured"]["alpha"] * e["measured"]["rounds"] for e in entries) / rounds
+
+
+def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: float | None,
+                decoding: float, self_draft: bool) -> dict:
+    """A run's predicted speedup from this stage's own forwards (``measured``) and from the
+    fitted model (``model``); ``predicted_speedup`` is the first that exists, ``predicted_from``
+    says which. ``plain_vs_sweep``: the stage's plain step over the sweep's pipelined T_T(B,1)."""
+    measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"])
+                if realised is not None and parts.samples else None)
+    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding)
+             if predictor and realised is not None else None)
+    by = {"measured": measured["speedup"] if measured else None, "model": model}
+    swept = sweep_step(run["batch"]) if sweep_step else None
+    return {"predicted_speedup": by["measured"] if by["measured"] is not None else model,
+            "predicted_from": "measured" if by["measured"] is not None else ("model" if model else None),
+            "predicted_by": by, "round": measured and {**parts.to_dict(), **measured},
+            "plain_vs_sweep": run["plain_step_s"] / swept if swept else None}
+
+
+def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None,
+             sweep_step: Callable[[int], float | None] | None = None) -> dict:
     """Measure every (batch, temperature, gamma, alpha); ``predictor(batch, gamma, alpha,
     self_draft, context)`` gives the fitted model's speedup for the same configuration at this
-    run's context, or None. A target and drafter too big for ``available_bytes`` are measured on
-    slices (``plan_models``), without a prediction: the fit predicts the full model.
+    run's context, or None; ``sweep_step(batch)`` the sweep's pipelined T_T(B,1), or None. A
+    target and drafter too big for ``available_bytes`` are measured on slices (``plan_models``),
+    without a prediction: the fit predicts the full model.
+
+    Beside the gammas asked for, each batch also times the gamma the fitted model recommends at
+    the acceptance measured on the prompt set (or imposed), so a recommendation is never an
+    untimed one.
 
     Every run records its acceptance as measured: mean accepted draft tokens per round, sigma,
     acceptance by position and the alpha solved from the mean; modes without an imposed alpha
@@ -367,29 +484,36 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                     cfg.new_tokens, cfg.seed)
 
     runs = []
+    guess_context = decoding_context(longest or cfg.context, cfg.new_tokens)
     for batch in cfg.batches:
         decoders = Decoders(target.model, draft.model, batch, inputs, cfg.context, rng, vocab,
                             random_tokens=cfg.mode == "emulated-acceptance")
         for temperature in cfg.temperatures:
-            for gamma in cfg.gammas:
-                for alpha in alphas:
+            on_set = pooled_alpha([e for (g, t), e in accepted_on_set.items() if t == temperature])
+            for alpha in alphas:
+                best = recommended_gamma(predictor, batch, alpha if alpha is not None else on_set, guess_context)
+                gammas = cfg.gammas + ((best,) if best is not None and best not in cfg.gammas else ())
+                for gamma in gammas:
                     mx.random.seed(cfg.seed)  # the same samples for every configuration
+                    parts = RoundParts(batch, gamma, vocab, with_reject=cfg.mode == "emulated-acceptance")
                     if batch == 1 and cfg.mode == "real":
                         row, plain_out, spec_out = mlx_lm_batch1(decoders, cfg.new_tokens, gamma,
-                                                                 temperature, cfg.repeats)
+                                                                 temperature, Precision.of(cfg), parts)
                     else:
-                        row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, rng)
+                        row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, rng, parts)
                     per_round = [n for d in spec_out for n in d.per_round]
                     measured = acceptance_fields(per_round, gamma)
                     effective = alpha if alpha is not None else measured["measured_alpha"]
                     # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
                     decoding = decoding_context(row["context"], cfg.new_tokens)
                     realised = run_alpha({"alpha": effective, **measured})
-                    predicted = (predictor(batch, gamma, realised, cfg.mode == "self-draft", decoding)
-                                 if predictor and realised is not None else None)
                     run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
                            "prompts": inputs.name, "temperature": temperature, **measured,
-                           "predicted_speedup": predicted, "repeats": cfg.repeats, **row}
+                           "repeats": cfg.repeats,
+                           # asked: a gamma of --gamma; else added because the model recommends it
+                           "asked": gamma in cfg.gammas, "recommended": gamma == best, **row}
+                    run.update(predictions(run, parts, predictor, sweep_step, realised, decoding,
+                                           cfg.mode == "self-draft"))
                     if temperature == 0 and cfg.mode != "emulated-acceptance":
                         run["greedy_check"] = greedy_check(
                             (s.outputs, p.outputs) for s, p in zip(spec_out, plain_out))

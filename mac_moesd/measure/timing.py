@@ -24,8 +24,8 @@ import numpy as np
 
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["Budget", "Drift", "Measurement", "Point", "Ranks", "calibrate", "drift", "launches",
-           "measure", "per_launch", "summarise", "synchronised"]
+__all__ = ["Budget", "Drift", "Measurement", "Point", "Ranks", "bootstrap_median_ci", "calibrate", "drift", "launches",
+           "finite_time", "measure", "per_launch", "summarise", "synchronised"]
 
 DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
 SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
@@ -108,6 +108,24 @@ def median_ci_rel(sorted_values: np.ndarray) -> float:
     if median <= 0:
         return math.inf
     return float(sorted_values[hi - 1] - sorted_values[lo - 1]) / 2 / median
+
+
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_median_ci(values: list[float], level: float = 0.95, seed: int = 0,
+                        resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of the median (Efron and Tibshirani, An
+    Introduction to the Bootstrap, ch. 13), from a fixed seed so that a rerun of the same values
+    gives the same interval. With one value the interval is that value."""
+    data = np.asarray(values, dtype=float)
+    if data.size < 2:
+        return float(data[0]), float(data[0])
+    rng = np.random.default_rng(seed)
+    medians = np.median(data[rng.integers(0, data.size, (resamples, data.size))], axis=1)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def summarise(samples: list[float], target_ci: float, warmups: int) -> Measurement:

@@ -1,0 +1,82 @@
+"""SD measured to a stated precision, and predicted from the SD stage's own timed forwards."""
+
+import pytest
+
+from mac_moesd.measure import spec, timing
+from mac_moesd.measure.round_parts import round_prediction
+from mac_moesd.measure.spec_loop import Decoded
+
+
+def test_bootstrap_ci_of_two_values_spans_them():
+    # Resamples of [1, 3] have medians 1, 2 or 3 with chances 1/4, 1/2, 1/4: the 2.5th and
+    # 97.5th percentiles of 2000 of them are 1 and 3.
+    assert timing.bootstrap_median_ci([1.0, 3.0]) == (1.0, 3.0)
+    assert timing.bootstrap_median_ci([1.2, 1.2, 1.2]) == (1.2, 1.2)
+    assert timing.bootstrap_median_ci([0.9]) == (0.9, 0.9)
+    values = [0.8, 1.1, 0.95, 1.0, 1.3, 0.7, 1.05, 0.9]
+    assert timing.bootstrap_median_ci(values) == timing.bootstrap_median_ci(values)  # fixed seed
+    low, high = timing.bootstrap_median_ci(values)
+    assert low <= 0.975 <= high  # the median of the eight
+
+
+def test_enough_pairs_after_the_minimum_once_the_ci_is_tight_or_the_budget_spent():
+    p = spec.Precision(min_pairs=3, target=0.03, budget_s=10.0)
+    assert not p.enough([1.0, 1.0], 0.0)  # fewer than the minimum, however tight
+    assert p.enough([1.0, 1.0, 1.0], 0.0)  # CI of zero width
+    noisy = [0.6, 1.4, 0.8, 1.2]
+    assert p.half_width(noisy) > 0.03 and not p.enough(noisy, 9.9)
+    assert p.enough(noisy, 10.0)  # the budget is spent
+
+
+def _fake_runs(monkeypatch, times):
+    """paired() over fake runs whose speedups are given, on a clock that advances 1 s a call."""
+    clock = iter(range(10_000))
+    monkeypatch.setattr(spec.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(spec, "settle", lambda: None)
+    return spec.paired(lambda: Decoded(10), lambda: Decoded(10), lambda i: None, times)
+
+
+def test_paired_stops_at_the_minimum_when_every_pair_agrees(monkeypatch):
+    # Every pair takes 1 s each way on the fake clock: speedup 1, CI of zero width.
+    plain_times, spec_times, *_ = _fake_runs(monkeypatch, spec.Precision(4, 0.03, 1e9))
+    assert len(plain_times) == len(spec_times) == 4
+
+
+def test_paired_stops_when_its_budget_is_spent(monkeypatch):
+    # A CI can never be within 1e-12 of the median here (the fake clock makes every pair 1.0,
+    # so force noise through the target instead: no width is small enough but zero), so the
+    # budget ends it: the clock reads 0 at the start and advances 1 s per reading, 6 readings
+    # for the warm-up pair and each timed pair (4 timestamps and the check), so about 60 s.
+    precision = spec.Precision(2, 0.03, 60.0)
+    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups: 1.0)
+    plain_times, *_ = _fake_runs(monkeypatch, precision)
+    assert 2 <= len(plain_times) <= 30
+
+
+def test_a_round_priced_from_its_timed_parts():
+    # Plain decode 0.9 ms a step (pipelined); a synchronous one-token forward 1.0 ms, so 0.1 ms
+    # is hidden, and the 1.2 ms verify costs 1.1 ms in the loop; four draft steps chained 0.28 ms;
+    # no rejection sampling. alpha 0.8, gamma 4: Omega 3.3616, S = 3.3616*0.9/(0.28 + 1.1) = 2.19235,
+    # the round FittedModel.speedup prices for the same forwards (test_verdict).
+    parts = {"verify": 1.2e-3, "target_step": 1.0e-3, "draft": 0.28e-3}
+    out = round_prediction(parts, 0.9e-3, 0.8, 4)
+    assert out["speedup"] == pytest.approx(2.19235, abs=1e-4)
+    assert out["hidden_s"] == pytest.approx(0.1e-3) and out["round_s"] == pytest.approx(1.38e-3)
+    # Rejection sampling counts where the loop runs it; hiding is never negative nor over half.
+    assert round_prediction({**parts, "reject": 0.12e-3}, 0.9e-3, 0.8, 4)["round_s"] == pytest.approx(1.5e-3)
+    assert round_prediction(parts, 1.1e-3, 0.8, 4)["hidden_s"] == 0.0
+    assert round_prediction(parts, 0.1e-3, 0.8, 4)["hidden_s"] == pytest.approx(0.5e-3)
+
+
+def test_every_run_records_its_precision_and_both_predictions():
+    cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=8,
+                          new_tokens=4, repeats=3, precision=0.5, budget_s=0.5)
+    (run,) = spec.run_spec(cfg, sweep_step=lambda batch: 1.0)["runs"]
+    assert 3 <= run["pairs"] and run["budget_s"] == 0.5 and run["precision"] == 0.5
+    low, high = run["measured_ci"]
+    assert low <= run["measured_speedup"] <= high
+    assert run["precision_met"] == ((high - low) / 2 / run["measured_speedup"] <= 0.5)
+    assert run["predicted_from"] == "measured" and run["predicted_by"]["model"] is None
+    assert run["round"]["samples"] == run["pairs"]
+    assert set(run["round"]["median_s"]) == {"verify", "target_step", "draft", "reject"}
+    assert run["plain_vs_sweep"] == pytest.approx(run["plain_step_s"])  # a 1 s "sweep" step
