@@ -32,6 +32,10 @@ __all__ = ["Rates", "chip_rates", "dry_run", "parse_chip"]
 # stands in for chips without a published one (M3 and later), whose GPU cores are no slower.
 _M2_PER_CORE = 3.6e12 / 10
 PAIR_ALPHA = 0.7  # a real pair's acceptance, unknown before it runs, for its SD stage's ETA
+# The spread of per-pair speedups the SD stage's ETA assumes (unknown before it runs): the 95% CI
+# of a median of n pairs is about +-1.96*1.2533*spread/sqrt(n) wide (the median's standard error
+# for normal data), so a precision p takes n = (2.46*spread/p)^2 pairs, 17 at 5% and +-3%.
+PAIR_SPREAD = 0.05
 
 
 @dataclass(frozen=True)
@@ -193,18 +197,29 @@ def _spec_stage(plan: Plan, dtype: str, usable: int, rates: Rates) -> dict:
     target = plan.moe[0]
     cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
                           alphas=(0.7,), context=plan.context, new_tokens=plan.spec_tokens,
-                          repeats=plan.spec_repeats, bits=plan.bits)
+                          repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits)
     t, d, need = spec.plan_models(cfg, usable, dtype)
     seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
     for batch in cfg.batches:
         seconds += _prefills(t, d, rates, batch, cfg.context)
-        for gamma in cfg.gammas:
-            for alpha in cfg.alphas:
-                seconds += (cfg.repeats + 1) * sum(_decodes(t, d, rates, batch, gamma, alpha, cfg))  # + a warm-up
+        for alpha in cfg.alphas:
+            # the gammas asked for, and one more where the fit recommends another
+            for gamma in (*cfg.gammas, max(cfg.gammas)):
+                seconds += _configuration_seconds(cfg, *_decodes(t, d, rates, batch, gamma, alpha, cfg))
     return {"stage": f"spec {target}", "models": [target, plan.draft],
             "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas), "alpha": list(cfg.alphas)},
             "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
+
+
+def _configuration_seconds(cfg: spec.SpecConfig, plain: float, sd: float, prefill: float = 0.0) -> float:
+    """One SD configuration as ``spec.paired`` runs it: a warm-up pair, then pairs (each with a
+    prefill where ``prefill``) until the precision is expected to be met (``PAIR_SPREAD``),
+    at least ``repeats`` and at most the budget; the round's parts timed after each pair cost
+    about one more SD run."""
+    pairs = max(cfg.repeats, math.ceil((1.96 * 1.2533 * PAIR_SPREAD / cfg.precision) ** 2))
+    each = plain + 2 * sd + prefill
+    return plain + sd + min(pairs * each, max(cfg.budget_s, cfg.repeats * each))
 
 
 def _prefills(t, d, rates: Rates, batch: int, context: int) -> float:
@@ -229,8 +244,8 @@ def _pair_spec_stage(pair: PairPlan, prompt_set: str, dtype: str, usable: int, r
     plan = pair.base
     cfg = spec.SpecConfig(target=pair.target_arg, draft=pair.draft_arg, batches=plan.spec_batches,
                           gammas=plan.spec_gammas, mode="real", context=plan.context,
-                          new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, prompts=prompt_set,
-                          temperatures=pair.temperatures, max_prompts=pair.max_prompts)
+                          new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, budget_s=plan.spec_budget_s,
+                          prompts=prompt_set, temperatures=pair.temperatures, max_prompts=pair.max_prompts)
     ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg), models.resolve(pair.draft_arg)).ids
     t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
     if t.layers < t.layers_full:
@@ -243,9 +258,10 @@ def _pair_spec_stage(pair: PairPlan, prompt_set: str, dtype: str, usable: int, r
         for gamma in cfg.gammas:
             plain, sd = _decodes(t, d, rates, 1, gamma, PAIR_ALPHA, cfg)
             seconds += passed * (_prefills(t, d, rates, 1, cfg.context) + sd + (plain if temperature == 0 else 0.0))
+        for gamma in (*cfg.gammas, max(cfg.gammas)):  # and the fit's recommendation, if another
             for batch in cfg.batches:
-                seconds += cfg.repeats * _prefills(t, d, rates, batch, cfg.context)
-                seconds += (cfg.repeats + 1) * sum(_decodes(t, d, rates, batch, gamma, PAIR_ALPHA, cfg))
+                seconds += _configuration_seconds(cfg, *_decodes(t, d, rates, batch, gamma, PAIR_ALPHA, cfg),
+                                                  prefill=_prefills(t, d, rates, batch, cfg.context))
     return {"stage": f"spec {pair.target} on {prompt_set}", "models": [pair.target_arg, pair.draft_arg],
             "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas),

@@ -56,7 +56,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
             spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
             spec_repeats=8, routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
         )
-    # --quick fits about 5 minutes on an 8 GB M1 by the dry run's estimate (mac_moesd/plan.py):
+    # --quick fits about 6 minutes on an 8 GB M1 by the dry run's estimate (mac_moesd/plan.py):
     # the sparse MoE only, context 256, batches to 8 and two SD batch sizes; the less sparse MoE,
     # context 512, batch 16-32 and the full SD grid are the default run's.
     moe = ("qwen1.5-moe-a2.7b",) if quick else ("qwen1.5-moe-a2.7b", "mixtral-8x7b")

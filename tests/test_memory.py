@@ -141,7 +141,9 @@ def check_plan(doc):
         assert 0 < stage["peak_bytes"] <= doc["usable_bytes"], stage
         assert stage["eta_s"] > 0
     assert doc["eta_s"] == pytest.approx(sum(s["eta_s"] for s in doc["stages"]))
-    assert doc["eta_s"] <= 300
+    # --quick stays within minutes on any Mac: at most 7 by the dry run's own estimate (the SD
+    # stage adds pairs to a +-3% CI, 30 s a configuration at most).
+    assert doc["eta_s"] <= 420
 
 
 def test_quick_plan_fits_a_faked_8gb_m1(monkeypatch):
