@@ -142,3 +142,41 @@ def test_a_speedup_of_exactly_1_does_not_pay_off():
     (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "alpha": 0.0}], 64)
     assert row["predicted_speedup"] == 1.0 and row["pays_off"] is False
     assert row["deciding"]["term"] == "acceptance" and row["deciding"]["speedup_without"]["acceptance"] == 2.0
+
+
+def test_break_even_acceptance_and_drafter_cost_worked_by_hand():
+    from mac_moesd.analysis.break_even import break_even_alpha, break_even_draft_ratio
+
+    # gamma 1: round 0.1 + 1.05 = 1.15 ms must yield 1.15 tokens: L = alpha = 0.15 exactly.
+    assert break_even_alpha(1.0, 1.05, 0.1, 0.0, 1) == pytest.approx(0.15)
+    # gamma 4: round 0.4 + 1.2 = 1.6 ms: alpha + alpha^2 + alpha^3 + alpha^4 = 0.6 at 0.379949
+    # (0.38 gives 0.600123, 0.3799 gives 0.599987).
+    assert break_even_alpha(1.0, 1.2, 0.1, 0.0, 4) == pytest.approx(0.379949, abs=1e-6)
+    assert break_even_alpha(1.0, 0.5, 0.1, 0.0, 4) == 0.0  # a round cheaper than a step pays at any alpha
+    assert break_even_alpha(1.0, 5.0, 0.1, 0.0, 4) is None  # 5.4 ms: not even 5 tokens a round pay
+    # At alpha 0.8 the drafter may cost up to (3.3616 * 1.0 - 1.2) / 4 = 0.5404 of a plain step.
+    assert break_even_draft_ratio(1.0, 1.2, 0.0, 4, 0.8) == pytest.approx(0.5404)
+    assert break_even_draft_ratio(1.0, 4.0, 0.0, 4, 0.8) is None  # even a free drafter loses
+
+
+def test_a_verdict_row_carries_the_break_even_values_and_its_measurement():
+    # HAND at alpha 0.8: best gamma 5 (S 3.68928 / 1.75 = 2.10816); round 0.5 + T(6) = 1.25 ms, so
+    # break-even alpha solves a + ... + a^5 = 0.75: 0.432301; drafter (3.68928 - 1.25) / 5 = 0.487856.
+    run = {"batch": 1, "gamma": 5, "temperature": 0.0, "measured_speedup": 2.0, "measured_ci": [1.9, 2.05],
+           "measured_alpha": 0.8, "round": {"plain_s": 1.0e-3, "verify_s": 1.25e-3, "draft_s": 0.8e-3}}
+    doc = {**_fit(**HAND), "heldout_mape": 0.04}
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "rule": "greedy", "alpha": 0.8}],
+                                  64, runs=[run])
+    assert row["gamma"] == 5 and row["predicted_speedup"] == pytest.approx(2.10816, abs=1e-5)
+    assert row["break_even_alpha"] == pytest.approx(0.432301, abs=1e-6)
+    assert row["break_even_draft_ratio"] == pytest.approx(0.487856, abs=1e-6)
+    # Agreement: inside [1.9 * 0.96, 2.05 * 1.04] = [1.824, 2.132].
+    assert row["measured_speedup"] == 2.0 and row["agrees"] is True
+    assert row["agreement_band"] == pytest.approx([1.824, 2.132])
+    # The timed drafter phase took 0.8 ms where the model prices 0.5 ms: that term differs most.
+    assert row["differs_most"]["term"] == "drafter steps"
+    assert row["differs_most"]["model_over_measured"] == pytest.approx(0.625)
+    run["measured_ci"] = [1.5, 1.6]
+    (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "rule": "greedy", "alpha": 0.8}],
+                                  64, runs=[run])
+    assert row["agrees"] is False  # 2.108 > 1.6 * 1.04

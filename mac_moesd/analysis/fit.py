@@ -41,7 +41,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from mac_moesd.machine import hardware
-from mac_moesd.analysis import cluster, expert_reads, pipelining, theory
+from mac_moesd.analysis import break_even, cluster, expert_reads, pipelining, theory
 from mac_moesd.analysis.digest import Digest, depth_entries, full_depth_points, second_context_points
 from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -636,13 +636,27 @@ def predict(
     rows = []
     for gamma in gammas:
         efficiency = theory.target_efficiency(plain, model.target(b, verify_tokens(gamma, verify), context))
+        steps = (np.broadcast_to(x, b.shape) for x in model.step_times(b, gamma, context, verify)) \
+            if model.drafted else None
+        parts = list(zip(*steps)) if steps is not None else [None] * len(batches)
         for alpha in alphas:
             s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
                  else [None] * len(batches))
             rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
-                      "speedup": None if v is None else float(v), "target_efficiency": float(e)}
-                     for bb, v, e in zip(batches, s, efficiency)]
+                      "speedup": None if v is None else float(v), "target_efficiency": float(e),
+                      **_break_even(p, gamma, alpha)}
+                     for bb, v, e, p in zip(batches, s, efficiency, parts)]
     return rows
+
+
+def _break_even(parts, gamma: int, alpha: float) -> dict:
+    """A prediction row's break-even acceptance and drafter cost (``break_even``) from its round's
+    step times (plain, verify, draft step, reject); None without a drafter."""
+    if parts is None:
+        return {"break_even_alpha": None, "break_even_draft_ratio": None}
+    plain, verify_s, draft, reject = (float(x) for x in parts)
+    return {"break_even_alpha": break_even.break_even_alpha(plain, verify_s, draft, reject, gamma),
+            "break_even_draft_ratio": break_even.break_even_draft_ratio(plain, verify_s, reject, gamma, alpha)}
 
 
 def peaks(predictions: list[dict]) -> list[dict]:

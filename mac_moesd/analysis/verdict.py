@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mac_moesd.analysis import theory
+from mac_moesd.analysis import break_even, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel, verify_tokens
 
-__all__ = ["RoundCost", "TERMS", "best_gamma", "deciding_term", "measured_acceptance", "round_cost",
-           "verdict_rows"]
+__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term",
+           "measured_acceptance", "round_cost", "timed_run", "verdict_rows"]
 
 GAMMAS = tuple(range(1, 9))
 TERMS = ("drafter cost", "verify cost", "acceptance")
@@ -115,17 +115,74 @@ def measured_acceptance(spec_doc: dict) -> list[dict]:
 
 
 def verdict_rows(fit_doc: dict, acceptance: list[dict], context: int,
-                 batches: tuple[int, ...] = (1,)) -> list[dict]:
+                 batches: tuple[int, ...] = (1,), runs: list[dict] | None = None) -> list[dict]:
     """One row per measured acceptance (``{prompts, temperature, rule, alpha}``) and batch: the
-    best gamma and its predicted speedup, and, where SD does not pay, the deciding term."""
+    best gamma and its predicted speedup, the break-even acceptance and drafter cost at that gamma,
+    and, where SD does not pay, the deciding term. Where ``runs`` (a spec document's timed runs)
+    hold that configuration (batch, gamma, temperature; the rule as run), the row also carries its
+    measurement and whether the prediction agrees with it (``agreement``)."""
     model = FittedModel.from_document(fit_doc)
     rows = []
     for a in acceptance:
         for batch in batches:
             gamma, speedup = best_gamma(model, batch, a["alpha"], context)
+            cost = round_cost(model, batch, gamma, context)
             row = {**a, "batch": batch, "gamma": gamma, "predicted_speedup": speedup,
-                   "pays_off": speedup > 1.0}
+                   "pays_off": speedup > 1.0,
+                   "break_even_alpha": break_even.break_even_alpha(cost.plain, cost.verify, cost.draft / gamma,
+                                                                    cost.reject, gamma),
+                   "break_even_draft_ratio": break_even.break_even_draft_ratio(
+                       cost.plain, cost.verify, cost.reject, gamma, a["alpha"])}
             if not row["pays_off"]:
                 row["deciding"] = deciding_term(model, batch, gamma, a["alpha"], context)
+            run = timed_run(runs or [], row)
+            if run is not None:
+                row.update(agreement(run, speedup, fit_doc.get("heldout_mape")))
+                row["differs_most"] = differing_term(model, run, context, a["alpha"])
             rows.append(row)
     return rows
+
+
+def timed_run(runs: list[dict], row: dict) -> dict | None:
+    """The timed run of a verdict row's configuration: same batch, gamma and temperature, and an
+    acceptance rule the timed runs use (not exact rejection sampling, which they do not run)."""
+    if row.get("rule") == "rejection":
+        return None
+    return next((r for r in runs if r["batch"] == row["batch"] and r["gamma"] == row["gamma"]
+                 and r.get("temperature", 0) == row.get("temperature", 0)), None)
+
+
+def agreement(run: dict, predicted: float, heldout_mape: float | None) -> dict:
+    """Whether a prediction agrees with a timed run: inside the run's 95% CI of the median speedup
+    (its range over pairs, for runs made before CIs), widened by the fit's held-out error."""
+    low, high = run.get("measured_ci") or run.get("speedup_range") or [run["measured_speedup"]] * 2
+    slack = heldout_mape or 0.0
+    band = [low * (1 - slack), high * (1 + slack)]
+    return {"measured_speedup": run["measured_speedup"], "measured_ci": run.get("measured_ci"),
+            "agrees": band[0] <= predicted <= band[1], "agreement_band": band}
+
+
+MEASURED_TERMS = ("plain step", "verify", "drafter steps", "acceptance")
+
+
+def differing_term(model: FittedModel, run: dict, context: float, alpha: float) -> dict | None:
+    """Which part of the round differs most between the model's account and the timed run's own
+    (``round``, timed in the SD stage): the plain step, the verify forward, the drafter's steps,
+    or acceptance (the verdict's alpha against the one the run realised); None for runs made
+    before their rounds were timed."""
+    measured = run.get("round")
+    if not measured:
+        return None
+    gamma = run["gamma"]
+    plain, verify_s, draft, _ = (float(x) for x in model.step_times(run["batch"], gamma, context))
+    realised = run.get("measured_alpha", run.get("alpha"))
+    ratios = {
+        "plain step": plain / measured["plain_s"],
+        "verify": verify_s / measured["verify_s"] if measured["verify_s"] else None,
+        "drafter steps": gamma * draft / measured["draft_s"] if measured["draft_s"] else None,
+        "acceptance": (float(theory.expected_tokens_per_round(alpha, gamma))
+                       / float(theory.expected_tokens_per_round(realised, gamma))) if realised is not None else None,
+    }
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    term = max(ratios, key=lambda k: abs(ratios[k] - 1))
+    return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}
