@@ -43,8 +43,8 @@ def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
 
     doc = spec.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
     # The predictor says 1.5 at every gamma, so gamma 1 (the first best) is timed beside gamma 2.
-    assert [(r["batch"], r["gamma"], r["asked"]) for r in doc["runs"]] == [
-        (1, 2, True), (1, 1, False), (2, 2, True), (2, 1, False)]
+    assert [(r["batch"], r["gamma"], r["asked"], r["recommended"]) for r in doc["runs"]] == [
+        (1, 2, True, False), (2, 2, True, False), (1, 1, False, True), (2, 1, False, True)]
     # Each run's prediction: the run's own context, not the fit's (the cache's mean length over
     # the decode, from the 8-token prompt to 8 + 16), at the acceptance the draws realised.
     for run in doc["runs"]:
@@ -114,7 +114,11 @@ def test_a_timed_runs_speedup_carries_the_range_over_its_pairs():
                                spec.Precision(3, 0.03, 30.0))
     assert row["measured_speedup"] == pytest.approx(1.25)
     assert row["speedup_range"] == pytest.approx([1.0, 2.0])
-    assert measured_speedup({**row, "repeats": 3}) == "1.25 (1.00-2.00)"
+    # Resamples of (2, 1, 1.25) have medians in [1, 2]; the 95% CI over 2000 of them spans both.
+    assert row["measured_ci"] == [1.0, 2.0] and row["pairs"] == 3 and row["precision_met"] is False
+    assert measured_speedup(row) == "1.25 [1.00-2.00] 3 pairs, budget spent"
+    old_run = {k: v for k, v in row.items() if k not in ("measured_ci", "pairs", "precision_met")}
+    assert measured_speedup({**old_run, "repeats": 3}) == "1.25 (1.00-2.00)"  # results made before CIs
     assert measured_speedup({"measured_speedup": 1.25, "repeats": 3}) == "1.25"  # results made before ranges
 
 

@@ -49,7 +49,6 @@ __all__ = ["SpecConfig", "run_spec"]
 MODES = ("real", "self-draft", "emulated-acceptance")
 RANDOM_IDS = "random token ids"
 CANDIDATE_GAMMAS = tuple(range(1, 9))  # the draft lengths a recommendation is chosen from
-PLAIN_VS_SWEEP_FLAG = 0.15  # the machine changed between the sweep and this stage beyond this
 
 
 @dataclass(frozen=True)
@@ -393,15 +392,6 @@ def recommended_gamma(predictor, batch: int, alpha: float | None, context: float
     return max(speeds, key=speeds.get) if speeds else None
 
 
-def pooled_alpha(entries: list[dict]) -> float | None:
-    """One alpha from the acceptance pass's entries of one temperature (the rule as run), their
-    solved alphas weighted by rounds, as the verdict pools them."""
-    rounds = sum(e["measured"]["rounds"] for e in entries)
-    if not rounds:
-        return None
-    return sum(e["measured"]["alpha"] * e["measured"]["rounds"] for e in entries) / rounds
-
-
 def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: float | None,
                 decoding: float, self_draft: bool) -> dict:
     """A run's predicted speedup from this stage's own forwards (``measured``) and from the
@@ -417,6 +407,71 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
             "predicted_from": "measured" if by["measured"] is not None else ("model" if model else None),
             "predicted_by": by, "round": measured and {**parts.to_dict(), **measured},
             "plain_vs_sweep": run["plain_step_s"] / swept if swept else None}
+
+
+def recommendations(cfg: SpecConfig, predictor, context: int, partial: dict) -> set[tuple]:
+    """(batch, temperature, imposed alpha or None, gamma) of every configuration a verdict would
+    recommend: the best gamma by ``predictor`` at each imposed alpha (emulated acceptance), or at
+    each acceptance the pass measured on the prompt set as the verdict pools it (``partial``: the
+    document's acceptance so far), at the document's context. Empty without a predictor."""
+    from mac_moesd.analysis.verdict import measured_acceptance
+
+    if predictor is None or cfg.mode == "self-draft":
+        return set()
+    if cfg.mode == "emulated-acceptance":
+        targets = [(t, a, a) for t in cfg.temperatures for a in cfg.alphas]
+    else:
+        targets = [(row["temperature"], None, row["alpha"]) for row in measured_acceptance(partial)
+                   if row["rule"] != "rejection"]
+    out = set()
+    for temperature, imposed, alpha in targets:
+        for batch in cfg.batches:
+            best = recommended_gamma(predictor, batch, alpha, context)
+            if best is not None:
+                out.add((batch, temperature, imposed, best))
+    return out
+
+
+class ConfigurationTimer:
+    """Times one (batch, temperature, gamma, alpha) configuration of a spec run: its pairs to the
+    configuration's precision, the round's parts beside them, and the run's record with both
+    predictions."""
+
+    def __init__(self, cfg: SpecConfig, target, draft, inputs: PromptIds, vocab: int, rng, predictor,
+                 sweep_step, accepted_on_set: dict):
+        self.cfg, self.target, self.draft, self.inputs, self.vocab, self.rng = cfg, target, draft, inputs, vocab, rng
+        self.predictor, self.sweep_step, self.accepted_on_set = predictor, sweep_step, accepted_on_set
+
+    def decoders(self, batch: int) -> Decoders:
+        return Decoders(self.target, self.draft, batch, self.inputs, self.cfg.context, self.rng, self.vocab,
+                        random_tokens=self.cfg.mode == "emulated-acceptance")
+
+    def run(self, decoders: Decoders, gamma: int, temperature: float, alpha: float | None) -> dict:
+        cfg, batch = self.cfg, decoders.batch
+        mx.random.seed(cfg.seed)  # the same samples for every configuration
+        parts = RoundParts(batch, gamma, self.vocab, with_reject=cfg.mode == "emulated-acceptance")
+        if batch == 1 and cfg.mode == "real":
+            row, plain_out, spec_out = mlx_lm_batch1(decoders, cfg.new_tokens, gamma, temperature,
+                                                     Precision.of(cfg), parts)
+        else:
+            row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, self.rng, parts)
+        measured = acceptance_fields([n for d in spec_out for n in d.per_round], gamma)
+        effective = alpha if alpha is not None else measured["measured_alpha"]
+        # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
+        decoding = decoding_context(row["context"], cfg.new_tokens)
+        realised = run_alpha({"alpha": effective, **measured})
+        run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
+               "prompts": self.inputs.name, "temperature": temperature, **measured, "repeats": cfg.repeats,
+               "asked": gamma in cfg.gammas,  # else timed because the fit recommends it
+               **row}
+        run.update(predictions(run, parts, self.predictor, self.sweep_step, realised, decoding,
+                               cfg.mode == "self-draft"))
+        if temperature == 0 and cfg.mode != "emulated-acceptance":
+            run["greedy_check"] = greedy_check((s.outputs, p.outputs) for s, p in zip(spec_out, plain_out))
+        entry = self.accepted_on_set.get((gamma, temperature))
+        if entry is not None and temperature > 0:
+            run["rules"] = rules_worth(entry, run, self.predictor, batch, decoding)
+        return run
 
 
 def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None,
@@ -483,51 +538,38 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                     target.model, draft.model, measured_prompts, gamma, temperature,
                     cfg.new_tokens, cfg.seed)
 
+    timer = ConfigurationTimer(cfg, target.model, draft.model, inputs, vocab, rng, predictor, sweep_step,
+                               accepted_on_set)
     runs = []
-    guess_context = decoding_context(longest or cfg.context, cfg.new_tokens)
     for batch in cfg.batches:
-        decoders = Decoders(target.model, draft.model, batch, inputs, cfg.context, rng, vocab,
-                            random_tokens=cfg.mode == "emulated-acceptance")
+        decoders = timer.decoders(batch)
         for temperature in cfg.temperatures:
-            on_set = pooled_alpha([e for (g, t), e in accepted_on_set.items() if t == temperature])
             for alpha in alphas:
-                best = recommended_gamma(predictor, batch, alpha if alpha is not None else on_set, guess_context)
-                gammas = cfg.gammas + ((best,) if best is not None and best not in cfg.gammas else ())
-                for gamma in gammas:
-                    mx.random.seed(cfg.seed)  # the same samples for every configuration
-                    parts = RoundParts(batch, gamma, vocab, with_reject=cfg.mode == "emulated-acceptance")
-                    if batch == 1 and cfg.mode == "real":
-                        row, plain_out, spec_out = mlx_lm_batch1(decoders, cfg.new_tokens, gamma,
-                                                                 temperature, Precision.of(cfg), parts)
-                    else:
-                        row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, rng, parts)
-                    per_round = [n for d in spec_out for n in d.per_round]
-                    measured = acceptance_fields(per_round, gamma)
-                    effective = alpha if alpha is not None else measured["measured_alpha"]
-                    # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
-                    decoding = decoding_context(row["context"], cfg.new_tokens)
-                    realised = run_alpha({"alpha": effective, **measured})
-                    run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
-                           "prompts": inputs.name, "temperature": temperature, **measured,
-                           "repeats": cfg.repeats,
-                           # asked: a gamma of --gamma; else added because the model recommends it
-                           "asked": gamma in cfg.gammas, "recommended": gamma == best, **row}
-                    run.update(predictions(run, parts, predictor, sweep_step, realised, decoding,
-                                           cfg.mode == "self-draft"))
-                    if temperature == 0 and cfg.mode != "emulated-acceptance":
-                        run["greedy_check"] = greedy_check(
-                            (s.outputs, p.outputs) for s, p in zip(spec_out, plain_out))
-                    entry = accepted_on_set.get((gamma, temperature))
-                    if entry is not None and temperature > 0:
-                        run["rules"] = rules_worth(entry, run, predictor, batch, decoding)
-                    runs.append(run)
+                for gamma in cfg.gammas:
+                    runs.append(timer.run(decoders, gamma, temperature, alpha))
         del decoders
         memory.release()
+    context = cfg.context if inputs.ids is None else round(statistics.mean(r["context"] for r in runs))
+    # The configurations the fit recommends, as the verdict will choose them, timed where not yet.
+    wanted = recommendations(cfg, predictor, context, {"acceptance": list(accepted_on_set.values()),
+                                                       "prompts": {"name": inputs.name}, "runs": []})
+    for batch in cfg.batches:
+        missing = [(t, a, g) for (b, t, a, g) in wanted if b == batch and not any(
+            (r["batch"], r["temperature"], r["gamma"]) == (b, t, g) and (a is None or r["alpha"] == a)
+            for r in runs)]
+        if missing:
+            decoders = timer.decoders(batch)
+            runs += [timer.run(decoders, g, t, a) for t, a, g in missing]
+            del decoders
+            memory.release()
+    for run in runs:
+        run["recommended"] = any((run["batch"], run["temperature"], run["gamma"]) == (b, t, g)
+                                 and (a is None or run["alpha"] == a) for (b, t, a, g) in wanted)
     document = {
         "target": target.source.name,
         "draft": target.source.name if cfg.mode == "self-draft" else cfg.draft,
         # With prompts, the prompt tokens prefilled, averaged over the runs (each run has its own).
-        "context": cfg.context if inputs.ids is None else round(statistics.mean(r["context"] for r in runs)),
+        "context": context,
         "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
         "prompts": {"name": inputs.name, "encoding": inputs.encoding,
                     "count": len(inputs.ids) if inputs.ids else None,

@@ -307,10 +307,53 @@ def pipelining_lines(pipe: dict | None) -> list[str]:
 
 
 def measured_speedup(run: dict) -> str:
-    """A timed run's speedup, the median over its pairs, with their range where recorded."""
-    spread = run.get("speedup_range")
+    """A timed run's speedup, the median over its pairs: with its 95% CI and pairs where it was
+    measured to a precision (and whether the budget ended it first), else with the pairs' range."""
     text = f"{run['measured_speedup']:.2f}"
+    ci = run.get("measured_ci")
+    if ci:
+        spent = "" if run.get("precision_met") else ", budget spent"
+        return f"{text} [{ci[0]:.2f}-{ci[1]:.2f}] {run['pairs']} pairs{spent}"
+    spread = run.get("speedup_range")
     return text if not spread or run.get("repeats", 1) < 2 else f"{text} ({spread[0]:.2f}-{spread[1]:.2f})"
+
+
+def precision_note(runs: list[dict]) -> str:
+    """How the table's speedups were measured: to a precision (the CI, the budget), or, for runs
+    recorded before precisions, not."""
+    measured = [r for r in runs if r.get("measured_ci")]
+    if not measured:
+        pairs = sorted({r.get("repeats") for r in runs if r.get("repeats")})
+        return (f"Measured S is the median of per-pair ratios over {', '.join(map(str, pairs))} pairs with "
+                "their range, not measured to a precision (recorded before confidence intervals).")
+    met = sum(bool(r.get("precision_met")) for r in measured)
+    r = measured[0]
+    return (f"Measured S is the median of per-pair ratios of alternating plain and SD runs, with its 95% "
+            f"bootstrap confidence interval: pairs were added until the interval was within "
+            f"+-{r['precision']:.0%} of the median or {r['budget_s']:g} s of the configuration were spent "
+            f"(at least {r['repeats']} pairs); {met} of {len(measured)} configurations met the precision.")
+
+
+def predicted_cells(run: dict, model_prediction: float | None) -> list[str]:
+    """A timed run's two predictions beside its measurement, each with its error: from the SD
+    stage's own timed forwards (``predicted_by.measured``), and from the fitted model."""
+    measured = (run.get("predicted_by") or {}).get("measured")
+
+    def cell(pred):
+        return ["-", "-"] if pred is None else [f"{pred:.2f}", f"{pred / run['measured_speedup'] - 1:+.0%}"]
+
+    return cell(measured) + cell(model_prediction)
+
+
+PLAIN_VS_SWEEP_FLAG = 0.15  # the machine changed between the sweep and the SD stage beyond this
+
+
+def plain_vs_sweep(run: dict) -> str:
+    """The SD stage's plain step over the sweep's, flagged beyond PLAIN_VS_SWEEP_FLAG."""
+    ratio = run.get("plain_vs_sweep")
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}" + (" FLAGGED" if abs(ratio - 1) > PLAIN_VS_SWEEP_FLAG else "")
 
 
 def one_row_lines(doc: dict) -> list[str]:

@@ -10,7 +10,7 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.measure.routing import prompts_label
-from mac_moesd.reporting.formatting import measured_speedup
+from mac_moesd.reporting.formatting import measured_speedup, plain_vs_sweep, precision_note, predicted_cells
 
 __all__ = ["first_lines", "pair_blocks"]
 
@@ -140,6 +140,50 @@ def _timed(doc: dict, row: dict) -> list[dict]:
     return [r for r in doc["runs"] if r["batch"] == row["batch"] and r.get("temperature", 0) == row["temperature"]]
 
 
+def _worth(run: dict) -> str:
+    """Whether a measured speedup pays off, judged by its CI where it has one."""
+    low, high = run.get("measured_ci") or [run["measured_speedup"]] * 2
+    if low > 1.0:
+        return "SD pays off"
+    if high < 1.0:
+        return "SD does not pay off"
+    return "SD breaks about even (its CI spans 1)"
+
+
+def _break_even(row: dict) -> str:
+    alpha, ratio = row.get("break_even_alpha"), row.get("break_even_draft_ratio")
+    if alpha is None and ratio is None:
+        return " Not even every draft accepted would pay at this gamma."
+    parts = []
+    if alpha is not None:
+        parts.append(f"SD breaks even at acceptance {alpha:.2f} at this gamma (measured {row['alpha']:.2f})")
+    if ratio is not None:
+        parts.append(f"with a drafter step up to {ratio:.2f} of a plain step at the measured acceptance")
+    return " " + ", and ".join(parts) + "."
+
+
+def _verdict_line(prompt_set: str, row: dict) -> str:
+    """One verdict sentence at batch 1: the measurement first where the recommended configuration
+    was timed, with the prediction beside it and whether they agree; else the prediction,
+    labelled as such."""
+    where = f"On {prompt_set} at temperature {row['temperature']:g}"
+    predicted = f"predicted {row['predicted_speedup']:.2f} at alpha {row['alpha']:.2f}"
+    why = "" if row["pays_off"] else f" The model's deciding term is {_why_not(row)}."
+    if "measured_speedup" not in row:
+        return (f"{where}: prediction only (gamma {row['gamma']} was not timed): SD "
+                f"{'pays off' if row['pays_off'] else 'does not pay off'} with best gamma {row['gamma']}, "
+                f"{predicted}.{why}{_break_even(row)}")
+    run = {**row, "pairs": row.get("pairs")}
+    text = (f"{where}: **measured at batch 1 with gamma = {row['gamma']}: {_worth(row)}**, "
+            f"{measured_speedup(run)}; the fitted model {predicted} "
+            f"({'agrees' if row['agrees'] else 'disagrees'}).")
+    differs = row.get("differs_most")
+    if not row["agrees"] and differs:
+        text += (f" The model and the measurement differ most in the {differs['term']}: the model's is "
+                 f"{differs['model_over_measured']:.2f}x the SD stage's own timing of it.")
+    return text + why + _break_even(row)
+
+
 def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     blocks = [("h3", "Verdict for this pair")]
     fitted = d.fit_of(p["target"])
@@ -152,39 +196,39 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     rows, lines = [], []
     for prompt_set, doc in docs.items():
         accepted = verdict.measured_acceptance(doc)
-        for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches):
-            timed = _timed(doc, row)
-            run = next((r for r in timed if r["gamma"] == row["gamma"]), None)
-            fastest = max(timed, key=lambda r: r["measured_speedup"], default=None)
+        for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches, runs=doc["runs"]):
+            run = verdict.timed_run(doc["runs"], row)
+            if run is not None:
+                row.update(pairs=run.get("pairs"), precision_met=run.get("precision_met"),
+                           speedup_range=run.get("speedup_range"), repeats=run.get("repeats"))
+            fastest = max(_timed(doc, row), key=lambda r: r["measured_speedup"], default=None)
             rows.append([prompt_set, f"{row['temperature']:g}", row["rule"], f"{row['alpha']:.2f}",
-                         str(row["batch"]), str(row["gamma"]), f"{row['predicted_speedup']:.2f}",
-                         "-" if run is None else f"{run['measured_speedup']:.2f}",
+                         str(row["batch"]), str(row["gamma"]),
+                         "not timed" if run is None else measured_speedup(row),
+                         f"{row['predicted_speedup']:.2f}",
+                         "-" if run is None else ("yes" if row["agrees"] else "no"),
                          "-" if fastest is None else f"{fastest['measured_speedup']:.2f} (gamma {fastest['gamma']})",
-                         "pays off" if row["pays_off"] else f"does not pay off ({row['deciding']['term']})"])
-            if row["batch"] != 1 or row["rule"] == "rejection":
-                continue
-            where = f"On {prompt_set} at temperature {row['temperature']:g}"
-            measured = ("" if fastest is None else f" Measured at batch 1: best {fastest['measured_speedup']:.2f} "
-                        f"at gamma {fastest['gamma']}.")
-            if row["pays_off"]:
-                lines.append(f"{where}: **SD pays off at batch 1 with gamma = {row['gamma']}** (predicted "
-                             f"speedup {row['predicted_speedup']:.2f} at the measured alpha "
-                             f"{row['alpha']:.2f}).{measured}")
-            else:
-                lines.append(f"{where}: **SD does not pay off here** (best gamma {row['gamma']}, predicted "
-                             f"{row['predicted_speedup']:.2f} at alpha {row['alpha']:.2f}). The deciding term "
-                             f"is {_why_not(row)}.{measured}")
+                         "-" if row.get("break_even_alpha") is None else f"{row['break_even_alpha']:.2f}",
+                         "-" if row.get("break_even_draft_ratio") is None else f"{row['break_even_draft_ratio']:.2f}"])
+            if row["batch"] == 1 and row["rule"] != "rejection":
+                lines.append(_verdict_line(prompt_set, row))
     blocks.append(("list", lines))
     blocks.append(("table", ["prompt set", "temperature", "acceptance rule", "alpha", "B", "best gamma",
-                             "predicted S", "measured S", "best measured S", "verdict"], rows))
+                             "measured S", "predicted S", "agree", "best measured S",
+                             "break-even alpha", "break-even T_D/T_T"], rows))
     blocks.append(("p", f"Best gamma over 1-8 by the fitted model (`{fitted['chosen']}` expert loads, "
                    "gamma+1 verify tokens) at the alpha measured on each prompt set, pooled over the "
-                   "measured gammas; measured S is the timed run at that batch, gamma and temperature "
-                   "where one was made, and best measured S the fastest timed gamma there. Rule `greedy` is temperature 0; at temperature 1 `mlx-lm` is the "
-                   "rule mlx-lm runs (the target's sampled token must equal the draft) and `rejection` "
-                   "exact rejection sampling (min(1, p/q)), expected from the same distributions. Where SD "
-                   "does not pay, the deciding term is the one whose removal raises S the most: the "
-                   "drafter's steps, the verify forward's excess over one step, or missed drafts."))
+                   "measured gammas; the SD stage times that gamma too, so the recommendation is "
+                   "measured: measured S is that run's median speedup with its 95% CI, and the "
+                   "prediction agrees when it lies inside the CI widened by the fit's held-out error. "
+                   "Best measured S is the fastest timed gamma at that batch. Break-even alpha: the "
+                   "acceptance at which S = 1 at that gamma; break-even T_D/T_T: the largest drafter "
+                   "step, as a fraction of a plain step, at which S = 1 at the measured alpha. Rule "
+                   "`greedy` is temperature 0; at temperature 1 `mlx-lm` is the rule mlx-lm runs (the "
+                   "target's sampled token must equal the draft) and `rejection` exact rejection "
+                   "sampling (min(1, p/q)), expected from the same distributions. Where SD does not "
+                   "pay, the deciding term is the one whose removal raises S the most: the drafter's "
+                   "steps, the verify forward's excess over one step, or missed drafts."))
     return blocks
 
 
@@ -245,21 +289,22 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
             rows.append([prompt_set, f"{r.get('temperature', 0):g}", str(r["batch"]), str(r["gamma"]),
                          r["engine"], "-" if r["alpha"] is None else f"{r['alpha']:.2f}",
                          f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
-                         measured_speedup(r), "-" if pred is None else f"{pred:.2f}",
-                         "-" if pred is None else f"{pred / r['measured_speedup'] - 1:+.0%}",
+                         measured_speedup(r), *predicted_cells(r, pred), plain_vs_sweep(r),
                          "-" if not rules else f"{rules['projected_speedup_rejection']:.2f}"])
     if not rows:
         return []
+    runs = [r for doc in docs.values() for r in doc["runs"]]
     blocks = [("h3", "Measured against predicted speedup"),
               ("table", ["prompt set", "temperature", "B", "gamma", "engine", "alpha", "plain tok/s",
-                         "SD tok/s", "measured S (range)", "predicted S", "pred/meas", "S with exact rejection"],
-               rows),
+                         "SD tok/s", "measured S", "predicted (timed parts)", "error", "predicted (fit)",
+                         "error", "plain vs sweep", "S with exact rejection"], rows),
               ("p", "Batch 1 runs mlx-lm's `speculative_generate_step` against its `generate_step`; larger "
                     "batches the suite's loop with the drafter's real drafts, B prompts of the set at a time. "
-                    "Each row is the median of per-pair ratios of alternating plain and SD runs; predicted S "
-                    "comes from the fit at the run's own alpha and prompt length. The last column scales the "
-                    "measured speedup by exact rejection sampling's gain in tokens per round over mlx-lm's "
-                    "rule (temperature > 0).")]
+                    + precision_note(runs) + " The first prediction prices a round from the forwards the SD "
+                    "stage timed beside its pairs, the second comes from the fit; both at the run's own alpha "
+                    "and prompt length. Plain vs sweep: this stage's plain step over the sweep's, flagged "
+                    "beyond 15%. The last column scales the measured speedup by exact rejection sampling's "
+                    "gain in tokens per round over mlx-lm's rule (temperature > 0).")]
     return blocks + ([("figure", "measured_vs_predicted", "Measured against predicted SD speedup for this "
                        "pair (dashed: equal).")] if "measured_vs_predicted" in figures else [])
 
