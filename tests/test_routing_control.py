@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -254,11 +255,47 @@ def test_mismatched_trace_is_refused_and_results_kept(tmp_path):
     assert (tmp_path / "results.json").read_text() == "keep me"
     short = tmp_path / "short.npz"
     routing_trace.save_trace(short, np.zeros((4, 1, 2, 4), dtype=int), 64, 4, "tiny-moe", "prose", "hashed")
-    with pytest.raises(BadInput, match="holds 1 sequences of 2 tokens"):
-        sweep.validate(sweep.SweepConfig(model="tiny-moe", batches=(2,), tokens=(1,), routing=f"trace:{short}"))
+    # One sequence of 2 tokens gives two disjoint one-token windows, not three.
+    sweep.validate(sweep.SweepConfig(model="tiny-moe", batches=(2,), tokens=(1,), routing=f"trace:{short}"))
+    with pytest.raises(BadInput, match=r"holds 1 sequences of 2 tokens \(2 disjoint windows of 1\); "
+                                       "this grid needs 3 of 1"):
+        sweep.validate(sweep.SweepConfig(model="tiny-moe", batches=(3,), tokens=(1,), routing=f"trace:{short}"))
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(BadInput, match="not a routing trace"):
         routing_control.parse_routing(f"trace:{tmp_path / 'junk.npz'}")
+
+
+def numbered_trace(sequences, length, layers=1):
+    """A trace whose token p of sequence s in layer l chose expert 100*l + 10*s + p (K = 1), so a
+    replayed window says where every id came from."""
+    l, s, p = np.meshgrid(np.arange(layers), np.arange(sequences), np.arange(length), indexing="ij")
+    return routing_trace.Trace(indices=(100 * l + 10 * s + p)[..., None], experts=1000, top_k=1,
+                               model="m", text="t", digest="0")
+
+
+def test_a_batch_larger_than_the_trace_replays_earlier_spans_of_its_sequences():
+    trace = numbered_trace(sequences=2, length=4)
+    window = routing_control.trace_window(trace, 0, batch=4, tokens=2)[..., 0]
+    # Sequences 0 and 1 give their last two tokens (2, 3), then the two before them (0, 1).
+    assert window.tolist() == [[2, 3], [12, 13], [0, 1], [10, 11]]
+    assert routing_control.trace_window(trace, 0, batch=2, tokens=3)[..., 0].tolist() == [[1, 2, 3], [11, 12, 13]]
+    # 2 sequences x floor(4/2) = 4 windows of 2 tokens, 2 x floor(4/3) = 2 of 3: no more.
+    assert routing_control.trace_capacity(trace, 2) == 4 and routing_control.trace_capacity(trace, 3) == 2
+    for batch, tokens in ((5, 2), (3, 3), (1, 5)):
+        with pytest.raises(BadInput, match=f"cannot replay {batch} of {tokens}"):
+            routing_control.trace_window(trace, 0, batch, tokens)
+    assert [routing_control.spans_per_sequence(trace, b) for b in (1, 2, 3, 4)] == [1, 1, 2, 2]
+
+
+def test_interleaved_traces_alternate_their_sequences():
+    a = numbered_trace(sequences=2, length=4, layers=2)
+    b = replace(numbered_trace(sequences=3, length=3), indices=numbered_trace(3, 3).indices + 500)
+    both = routing_trace.interleave([a, b])[..., 0]
+    # The layers both hold (1), the shorter length (3, a's last three tokens), a0 b0 a1 b1 b2.
+    assert both.shape == (1, 5, 3)
+    assert both[0].tolist() == [[1, 2, 3], [500, 501, 502], [11, 12, 13], [510, 511, 512], [520, 521, 522]]
+    with pytest.raises(Exception, match="cannot be interleaved"):
+        routing_trace.interleave([a, replace(b, top_k=2)])
 
 
 def test_forced_routing_on_a_dense_model_is_refused(tmp_path):

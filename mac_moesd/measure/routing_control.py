@@ -6,7 +6,9 @@
   every other token: MoESD's assumption, under which B*t tokens activate N(B*t) experts;
 - ``correlated:C``: each sequence's consecutive tokens reuse experts so that t of them activate
   N(1 + C*(t-1)) in expectation (docs/design.md §2.3's anchored form), sequences independent;
-- ``trace:FILE``: the choices a real model made on real text (``routing --save-trace``).
+- ``trace:FILE``: the choices a real model made on real text (``routing --save-trace``); a
+  batch larger than the trace holds sequences takes earlier, disjoint spans of them
+  (``trace_window``).
 
 The router's gate still runs (its cost stays in T_T); only the indices the experts receive are
 replaced, through ``routing.controlled_switches``. Indices are generated per grid point before
@@ -29,8 +31,8 @@ from mac_moesd.measure import routing
 from mac_moesd.measure.gather import GATHERS
 from mac_moesd.measure.routing_trace import Trace, load_trace
 
-__all__ = ["RoutingMode", "SweepRouting", "correlated_indices", "parse_routing", "trace_window",
-           "uniform_indices"]
+__all__ = ["RoutingMode", "SweepRouting", "correlated_indices", "parse_routing", "spans_per_sequence",
+           "trace_capacity", "trace_window", "uniform_indices"]
 
 KINDS = ("model", "uniform", "correlated", "trace")
 HELP = "model, uniform, correlated:C (C in [0, 1]) or trace:FILE"
@@ -99,9 +101,11 @@ def check_against_model(mode: RoutingMode, gather: str, shape: tuple[int, int] |
     if (trace.experts, trace.top_k) != shape:
         raise BadInput(f"trace {mode.trace_path.name} has E={trace.experts}, K={trace.top_k} "
                        f"({trace.model}); {name} has E={shape[0]}, K={shape[1]}")
-    if max(batches) > trace.sequences or max(tokens) > trace.length:
-        raise BadInput(f"trace {mode.trace_path.name} holds {trace.sequences} sequences of "
-                       f"{trace.length} tokens; this grid needs {max(batches)} of {max(tokens)}")
+    batch, window = max(batches), max(tokens)  # the largest batch at the longest window needs most
+    if batch > trace_capacity(trace, window):
+        raise BadInput(f"trace {mode.trace_path.name} holds {trace.sequences} sequences of {trace.length} "
+                       f"tokens ({trace_capacity(trace, window)} disjoint windows of {window}); this grid "
+                       f"needs {batch} of {window}")
 
 
 # ---- index generators: (B, t, K) arrays of distinct expert ids per token ----
@@ -144,11 +148,35 @@ def correlated_indices(rng: np.random.Generator, batch: int, tokens: int, expert
     return out
 
 
+def trace_capacity(trace: Trace, tokens: int) -> int:
+    """How many sequences of ``tokens`` consecutive tokens a replay of ``trace`` can fill: each
+    trace sequence gives its disjoint spans of that length."""
+    return trace.sequences * (trace.length // tokens)
+
+
+def spans_per_sequence(trace: Trace, batch: int) -> int:
+    """The most spans of one trace sequence a batch of ``batch`` replays (1: every sequence of the
+    batch is a different sequence of the trace)."""
+    return -(-batch // trace.sequences)
+
+
 def trace_window(trace: Trace, layer: int, batch: int, tokens: int) -> np.ndarray:
-    """The replayed (B, t, K) window of MoE layer ``layer``: the last t tokens (routed with the
-    most context, as a verify window would be) of the trace's first B sequences; a model deeper
-    than the trace cycles through the trace's layers."""
-    return trace.indices[layer % trace.layers, :batch, trace.length - tokens:, :].astype(np.int64)
+    """The replayed (B, t, K) window of MoE layer ``layer``. Sequence j of the batch replays t
+    consecutive tokens of the trace's sequence j mod S: the last t (routed with the most context,
+    as a verify window would be) while j < S, then, for a batch larger than the trace's S
+    sequences, the t tokens before those, and so on (span j // S from the end). Each replayed
+    sequence is routing the model chose on consecutive real tokens, and the first S are different
+    texts; only a batch over S pairs a sequence with an earlier, disjoint span of the same text,
+    which shares its topic and so overlaps it in experts more than another text would. Nothing
+    is repeated or made up; a batch the trace cannot fill is refused (``check_against_model``).
+    A model deeper than the trace cycles through the trace's layers."""
+    if batch > trace_capacity(trace, tokens):
+        raise BadInput(f"a trace of {trace.sequences} sequences of {trace.length} tokens cannot replay "
+                       f"{batch} of {tokens}")
+    slots = np.arange(batch)
+    sequence, span = slots % trace.sequences, slots // trace.sequences
+    positions = (trace.length - (span + 1) * tokens)[:, None] + np.arange(tokens)
+    return trace.indices[layer % trace.layers][sequence[:, None], positions].astype(np.int64)
 
 
 def unique_per_layer(per_layer: list[np.ndarray]) -> float:

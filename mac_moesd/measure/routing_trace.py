@@ -22,7 +22,7 @@ import numpy as np
 
 from mac_moesd.errors import BadInput, MacMoesdError
 
-__all__ = ["FORMAT", "Trace", "load_trace", "save_trace"]
+__all__ = ["FORMAT", "Trace", "interleave", "load_trace", "save_trace"]
 
 FORMAT = "mac-moesd-trace/1"
 
@@ -94,3 +94,17 @@ def load_trace(path: Path) -> Trace:
         raise BadInput(f"{path}: expert ids outside 0..{experts - 1}")
     return Trace(indices=indices, experts=experts, top_k=top_k, model=str(fields["model"]),
                  text=str(fields["text"]), digest=hashlib.sha256(raw).hexdigest()[:12])
+
+
+def interleave(traces: list[Trace]) -> np.ndarray:
+    """The sequences of several traces of one model as one (layers, sequences, length, K) array,
+    taken in turn (the first of each trace, then the second of each, ...), so that the first B
+    sequences of the result mix the traces evenly whatever B is. Each sequence keeps its last
+    ``length`` tokens, the shortest trace's length (the replay takes windows from the end), and
+    the MoE layers every trace holds: a trace of a model routed as a slice holds its first layers."""
+    if len({(t.experts, t.top_k) for t in traces}) != 1:
+        raise MacMoesdError("traces of different expert counts or top-k cannot be interleaved: "
+                            + ", ".join(f"{t.text} (E={t.experts}, K={t.top_k})" for t in traces))
+    layers, length = min(t.layers for t in traces), min(t.length for t in traces)
+    order = [(t, s) for s in range(max(t.sequences for t in traces)) for t in traces if s < t.sequences]
+    return np.stack([t.indices[:layers, s, t.length - length:, :] for t, s in order], axis=1)
