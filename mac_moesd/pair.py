@@ -1,11 +1,13 @@
 """`mac-moesd run --target MODEL --draft MODEL`: the whole pipeline on the user's own pair.
 
 The target and drafter run with their weights as stored (quantized or not). Stages: the roofline,
-the target's T_T(B,t) sweep with the drafter's T_D(B,1), routing of the target on each prompt set
-with its own tokenizer (a trace of the captured indices saved beside the results), the fit, and
-SD measured in real mode per prompt set at temperatures 0 and 1: batch 1 with mlx-lm's
-``speculative_generate_step``, larger batches with the suite's loop driven by the drafter. The
-report then gives the verdict for this pair. Resumable and isolated stage by stage, as `run`.
+routing of the target on each prompt set with its own tokenizer (a trace of the captured indices
+saved beside the results), the target's T_T(B,t) sweep replaying those traces (so the grid reads
+the experts the prompts make the target read, as the SD runs do) with the drafter's T_D(B,1),
+the fit, and SD measured in real mode per prompt set at temperatures 0 and 1: batch 1 with
+mlx-lm's ``speculative_generate_step``, larger batches with the suite's loop driven by the
+drafter. The report then gives the verdict for this pair. Resumable and isolated stage by stage,
+as `run`.
 
 Without --target, a GPU run first looks in the Hugging Face cache for a known pair
 (``inputs/pairs.py``) that fits in memory.
@@ -18,16 +20,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from mac_moesd import run as runner
 from mac_moesd.analysis import fit
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.machine import memory
-from mac_moesd.measure import routing, spec, sweep
+from mac_moesd.measure import routing, routing_control, routing_trace, spec, sweep
 from mac_moesd.results import ResultsStore
 
-__all__ = ["PairPlan", "find_default_pair", "pair_plan", "run_pair", "stage_labels"]
+__all__ = ["PairPlan", "as_swept", "find_default_pair", "pair_plan", "run_pair", "stage_labels", "sweep_routing"]
 
 PROMPT_SETS = ("code", "chat")
 TEMPERATURES = (0.0, 1.0)
@@ -85,8 +89,8 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
 
 def stage_labels(plan: PairPlan, serving: bool = False) -> list[str]:
     """The stages ``run_pair`` runs, in order (the report comes after them)."""
-    return (["roofline", f"sweep {plan.target}"]
-            + [f"routing {plan.target} on {p}" for p in plan.prompt_sets] + ["fit"]
+    return (["roofline"] + [f"routing {plan.target} on {p}" for p in plan.prompt_sets]
+            + [f"sweep {plan.target}", "fit"]
             + [f"spec {plan.target} on {p}" for p in plan.prompt_sets]
             + ([f"serving {plan.target}"] if serving else []))
 
@@ -133,6 +137,82 @@ def trace_path(folder: Path, target: str, prompt_set: str) -> Path:
     return folder / "traces" / f"{_slug(target)}-{_slug(Path(prompt_set).stem)}.npz"
 
 
+def prompts_trace_path(folder: Path, target: str, prompt_sets: list[str]) -> Path:
+    """Where the interleaved trace of several prompt sets is saved ('+' is never in a slug, so it
+    cannot be one set's trace)."""
+    sets = "+".join(_slug(Path(p).stem) for p in prompt_sets)
+    return folder / "traces" / f"{_slug(target)}-{sets}.npz"
+
+
+def prompts_trace(store: ResultsStore, plan: PairPlan) -> tuple[Path, list[str]] | None:
+    """The trace the pair's sweep replays, and the prompt sets in it; None when no routing stage
+    saved one.
+
+    One sweep and one fit serve every prompt set's SD runs, so the sweep replays all the sets'
+    traces, interleaved (``routing_trace.interleave``): each set weighs alike in the grid, a
+    batch's sequences mix the sets, and a batch up to the sets' prompts together replays a
+    different prompt in every sequence (60 with the built-in sets: no default batch repeats a
+    text). A lone set's trace is replayed as saved. The interleaved file is rewritten only when
+    its indices change (a rerun finds the same file, so the same digest and the same results
+    entry; a set routed since then makes a new one, measured as a new entry)."""
+    routed = store.data.get("routing", {})
+    docs = {p: routed.get(f"{plan.target}|{routing.prompts_label(p)}") or {} for p in plan.prompt_sets}
+    saved = {p: Path(d["trace"]) for p, d in docs.items() if d.get("trace") and Path(d["trace"]).exists()}
+    if len(saved) < 2:
+        return next(((path, [p]) for p, path in saved.items()), None)
+    sets, traces = list(saved), [routing_trace.load_trace(path) for path in saved.values()]
+    indices = routing_trace.interleave(traces)
+    path = prompts_trace_path(store.path.parent, plan.target, sets)
+    if not (path.exists() and np.array_equal(routing_trace.load_trace(path).indices, indices)):
+        routing_trace.save_trace(path, indices, traces[0].experts, traces[0].top_k, traces[0].model,
+                                 f"prompt sets {', '.join(sets)}, interleaved",
+                                 ", ".join(sorted({docs[p]["token_ids"] for p in sets})))
+    return path, sets
+
+
+def sweep_routing(store: ResultsStore, plan: PairPlan) -> dict:
+    """The routing the pair's sweep runs under, recorded in the pair's entry as ``sweep_routing``:
+    ``routing`` (as ``sweep --routing`` takes it), ``key`` (as the sweep's results key names it),
+    and for a trace the file (relative to the results), the prompt sets in it, its sequences and
+    length and the most spans of one sequence the largest batch replays; for the model's own
+    routing of random ids, ``why`` the prompts' routing could not be replayed."""
+    batch, window = max(plan.base.batches), max(plan.base.tokens)
+    found = prompts_trace(store, plan)
+    if found is None:
+        record = {"routing": "model", "key": "model",
+                  "why": "no routing trace of the prompts is saved: their routing stages were skipped"}
+    else:
+        path, sets = found
+        mode = routing_control.parse_routing(f"trace:{path}")
+        trace = mode.trace
+        if batch > routing_control.trace_capacity(trace, window):
+            record = {"routing": "model", "key": "model",
+                      "why": f"the prompts' trace holds {trace.sequences} sequences of {trace.length} tokens, "
+                             f"too few for {batch} sequences of {window}"}
+        else:
+            record = {"routing": mode.label, "key": mode.key, "trace": f"traces/{path.name}",
+                      "prompt_sets": sets, "sequences": trace.sequences, "length": trace.length,
+                      "spans_per_sequence": routing_control.spans_per_sequence(trace, batch)}
+    store.data["pairs"][f"{plan.target}|{plan.draft}"]["sweep_routing"] = record
+    store.save()
+    return record
+
+
+def as_swept(data: dict, plan: PairPlan) -> dict:
+    """``data`` with only the target's sweeps under the routing this run's sweep used, for the fit
+    and the SD stage: a sweep of an earlier run under another routing stays in the file (and
+    the report) but would otherwise be found first. Unchanged where no routing is recorded."""
+    record = data.get("pairs", {}).get(f"{plan.target}|{plan.draft}", {}).get("sweep_routing")
+    if record is None:
+        return data
+    wanted = "" if record["key"] == "model" else record["key"]
+
+    def kept(key: str, entry: dict) -> bool:
+        return entry["model"] != plan.target or ("|gather=" not in key and key.partition("|routing=")[2] == wanted)
+
+    return {**data, "sweeps": {k: e for k, e in data.get("sweeps", {}).items() if kept(k, e)}}
+
+
 def record_pair(store: ResultsStore, plan: PairPlan) -> None:
     """What this pair run measures, for the report's first lines (before any stage runs)."""
     store.put("pairs", f"{plan.target}|{plan.draft}", {
@@ -149,7 +229,7 @@ def record_pair(store: ResultsStore, plan: PairPlan) -> None:
 
 def fit_target(plan: PairPlan, store: ResultsStore) -> None:
     """The fit of the target's sweep with this pair's drafter step."""
-    inputs = fit.inputs_from_results(store.data, plan.target, draft_model=plan.draft)
+    inputs = fit.inputs_from_results(as_swept(store.data, plan), plan.target, draft_model=plan.draft)
     store.data.setdefault("fits", {})[plan.target] = fit.fit_document(fit.fit(inputs))
     store.save()
 
@@ -172,9 +252,6 @@ def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | Non
 
     run_stage("roofline", lambda: runner.measure_roofline(base, store, spec_dict, machine.backend,
                                                           usable(), advance))
-    run_stage(f"sweep {plan.target}", lambda: sweep.run_sweep(
-        runner.sweep_config(base, plan.target_arg), store, usable(), runner.StageProgress(advance)))
-
     for prompt_set in plan.prompt_sets:
         def measure_routing(prompt_set=prompt_set) -> None:
             key = f"{plan.target}|{routing.prompts_label(prompt_set)}"
@@ -188,6 +265,11 @@ def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | Non
 
         run_stage(f"routing {plan.target} on {prompt_set}", measure_routing)
 
+    def measure_sweep() -> None:
+        cfg = replace(runner.sweep_config(base, plan.target_arg), routing=sweep_routing(store, plan)["routing"])
+        sweep.run_sweep(cfg, store, usable(), runner.StageProgress(advance))
+
+    run_stage(f"sweep {plan.target}", measure_sweep)
     run_stage("fit", lambda: fit_target(plan, store))
 
     for prompt_set in plan.prompt_sets:
@@ -204,7 +286,7 @@ def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | Non
                                   budget_s=base.spec_budget_s, prompts=prompt_set,
                                   temperatures=plan.temperatures, max_prompts=plan.max_prompts)
             store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), usable(),
-                                                 fit.sweep_plain_step(data, plan.target)))
+                                                 fit.sweep_plain_step(as_swept(data, plan), plan.target)))
 
         run_stage(f"spec {plan.target} on {prompt_set}", measure_spec)
     if serving is not None:

@@ -304,18 +304,20 @@ def dry_run(plan: Plan, backend: str, chip: str, memory_bytes: int | None, usabl
         raise BadInput("no bandwidth or FLOPS for this machine: run `mac-moesd roofline` first, "
                        "or give --chip")
     stages.append(_roofline_stage(plan, rates))
-    for name in plan.models:
-        stages.append(_guarded(f"sweep {name}", [name], _sweep_stage, plan, name, dtype, budget, rates))
-    if pair is not None:
-        stages[-1]["stage"] = f"sweep {pair.target}"  # as the run labels its stages (pair.stage_labels)
+    if pair is not None:  # in the run's order and labels (pair.stage_labels): the sweep replays the routing
         for p in pair.prompt_sets:
             label = f"routing {pair.target} on {p}"
             stages.append(_guarded(label, [pair.target_arg], _routing_stage, plan, pair.target_arg, dtype,
                                    budget, rates, label, p, pair.routing_length))
+        stages.append(_guarded(f"sweep {pair.target}", [pair.target_arg], _sweep_stage, plan, pair.target_arg,
+                               dtype, budget, rates))
+        stages[-1]["stage"] = f"sweep {pair.target}"
         for p in pair.prompt_sets:
             stages.append(_guarded(f"spec {pair.target} on {p}", [pair.target_arg, pair.draft_arg],
                                    _pair_spec_stage, pair, p, dtype, budget, rates))
     else:
+        for name in plan.models:
+            stages.append(_guarded(f"sweep {name}", [name], _sweep_stage, plan, name, dtype, budget, rates))
         for name in plan.moe:
             stages.append(_guarded(f"routing {name}", [name], _routing_stage, plan, name, dtype, budget, rates,
                                    f"routing {name}"))

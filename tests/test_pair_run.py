@@ -67,7 +67,8 @@ def test_a_pair_plan_refuses_what_it_cannot_measure(own_pair):
     with pytest.raises(BadInput, match="prompt file not found: nope.txt"):
         pair.pair_plan("cpu", True, str(target), str(draft), ("code", "nope.txt"))
     plan = pair.pair_plan("cpu", True, str(target), str(draft), ("chat",))
-    assert pair.stage_labels(plan) == ["roofline", "sweep my-moe", "routing my-moe on chat", "fit",
+    # Routing before the sweep: the sweep replays the routing the prompts caused.
+    assert pair.stage_labels(plan) == ["roofline", "routing my-moe on chat", "sweep my-moe", "fit",
                                        "spec my-moe on chat"]
 
 
@@ -105,11 +106,12 @@ def test_dry_run_of_a_pair(own_pair):
                                       str(draft), "--chip", "Apple M1", "--memory", "8", "--json"])
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
-    # The pair's own stages, labelled as the run labels them: routing and SD on each prompt set.
+    # The pair's own stages, in the run's order and labels: routing on each prompt set before the
+    # sweep that replays it, then SD on each prompt set.
     assert [s["stage"] for s in doc["stages"]] == [
-        "roofline", "sweep my-moe", "routing my-moe on code", "routing my-moe on chat",
+        "roofline", "routing my-moe on code", "routing my-moe on chat", "sweep my-moe",
         "spec my-moe on code", "spec my-moe on chat"]
-    assert doc["bits"] is None and doc["stages"][1]["models"] == [str(target), str(draft)]
+    assert doc["bits"] is None and doc["stages"][3]["models"] == [str(target), str(draft)]
     assert doc["pair"] == {"target": "my-moe", "draft": "my-draft", "found": "given on the command line"}
     assert zoo.expert_shape(models.resolve(str(target)).config) == (8, 2)
     spec_code = doc["stages"][4]
@@ -150,6 +152,85 @@ def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_
     with pytest.raises(BadInput, match="routing needs two"):
         routing.run_routing(routing.RoutingConfig(model=str(target), prompts=str(short), batches=(1,),
                                                   tokens=(1,), length=16), None)
+
+
+# ---- the routing the pair's sweep replays ----
+
+
+def pair_store(tmp_path, traces: dict[str, tuple[int, int]], tokens=(1, 2, 3, 4)):
+    """A pair plan on the tiny grid (batches to 4) and a results store whose routing stages saved,
+    for each prompt set named, a trace of (sequences, length) of 16 experts top-1: token p of
+    sequence s chose expert (s + p) % 16 in code and (s + 2p) % 16 in chat."""
+    import numpy as np
+    from test_report import tiny_plan
+
+    from mac_moesd.measure import routing_trace
+    from mac_moesd.results import ResultsStore
+
+    plan = pair.PairPlan(replace(tiny_plan(), tokens=tokens), "t", "d", ("code", "chat"))
+    store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu", "versions": {}, "blas": {}})
+    store.data["pairs"] = {"t|d": {}}
+    (tmp_path / "traces").mkdir()
+    for step, (prompt_set, (sequences, length)) in enumerate(traces.items(), start=1):
+        s, p = np.meshgrid(np.arange(sequences), np.arange(length), indexing="ij")
+        path = pair.trace_path(tmp_path, "t", prompt_set)
+        routing_trace.save_trace(path, ((s + step * p) % 16)[None, ..., None], 16, 1, "t",
+                                 f"prompt set {prompt_set}", "tokenizer")
+        store.put("routing", f"t|prompt set {prompt_set}", {"trace": str(path), "token_ids": "tokenizer"})
+    return plan, store
+
+
+def test_the_pair_sweep_replays_the_prompt_sets_traces_interleaved(tmp_path):
+    from mac_moesd.measure import routing_trace
+
+    plan, store = pair_store(tmp_path, {"code": (3, 4), "chat": (2, 4)})
+    record = pair.sweep_routing(store, plan)
+    combined = tmp_path / "traces" / "t-code+chat.npz"
+    trace = routing_trace.load_trace(combined)
+    assert record == {"routing": f"trace:{combined.resolve()}", "key": f"trace:t-code+chat.npz@{trace.digest}",
+                      "trace": "traces/t-code+chat.npz", "prompt_sets": ["code", "chat"], "sequences": 5,
+                      "length": 4, "spans_per_sequence": 1}
+    assert store.data["pairs"]["t|d"]["sweep_routing"] == record
+    # code 0, chat 0, code 1, chat 1, code 2; code's token p of sequence s is s + p, chat's s + 2p.
+    assert trace.indices[0, :, :, 0].tolist() == [[0, 1, 2, 3], [0, 2, 4, 6], [1, 2, 3, 4], [1, 3, 5, 7],
+                                                  [2, 3, 4, 5]]
+    # A rerun finds the same file, so the same results key: its sweep resumes, nothing is redone.
+    written = combined.stat().st_mtime_ns
+    assert pair.sweep_routing(store, plan) == record and combined.stat().st_mtime_ns == written
+
+
+def test_the_pair_sweep_routing_without_enough_trace(tmp_path):
+    plan, store = pair_store(tmp_path / "one", {"chat": (3, 4)}, tokens=(1, 2))
+    record = pair.sweep_routing(store, plan)  # one set: its own trace, as saved
+    assert record["trace"] == "traces/t-chat.npz" and record["prompt_sets"] == ["chat"]
+    # Batch 4 from 3 sequences of 4 tokens: 6 windows of 2 tokens, one sequence giving two.
+    assert record["spans_per_sequence"] == 2
+
+    plan, store = pair_store(tmp_path / "short", {"code": (2, 4)}, tokens=(1, 2, 3))
+    # 2 sequences of 4 tokens hold 2 windows of 3 tokens; the grid's batch 4 needs 4.
+    assert pair.sweep_routing(store, plan) == {
+        "routing": "model", "key": "model",
+        "why": "the prompts' trace holds 2 sequences of 4 tokens, too few for 4 sequences of 3"}
+
+    plan, store = pair_store(tmp_path / "none", {})
+    assert pair.sweep_routing(store, plan)["why"] == ("no routing trace of the prompts is saved: their "
+                                                      "routing stages were skipped")
+
+
+def test_the_pair_fit_sees_only_the_sweep_under_its_routing():
+    data = {"pairs": {"t|d": {"sweep_routing": {"key": "trace:t-code.npz@abc"}}},
+            "sweeps": {"t|None|L16|layers2": {"model": "t"},
+                       "t|None|L16|layers2|routing=trace:t-code.npz@abc": {"model": "t"},
+                       "t|None|L16|layers2|routing=trace:t-code.npz@old": {"model": "t"},
+                       "t|None|L16|layers2|routing=trace:t-code.npz@abc|gather=sorted": {"model": "t"},
+                       "u|None|L16|layers2": {"model": "u"}}}
+    plan = pair.PairPlan(None, "t", "d")
+    assert list(pair.as_swept(data, plan)["sweeps"]) == ["t|None|L16|layers2|routing=trace:t-code.npz@abc",
+                                                         "u|None|L16|layers2"]
+    data["pairs"]["t|d"]["sweep_routing"]["key"] = "model"
+    assert list(pair.as_swept(data, plan)["sweeps"]) == ["t|None|L16|layers2", "u|None|L16|layers2"]
+    del data["pairs"]["t|d"]["sweep_routing"]
+    assert pair.as_swept(data, plan) is data
 
 
 # ---- the whole pipeline through the CLI, on a tiny grid ----
@@ -212,6 +293,36 @@ def check_pair_report(folder, target_name, draft_name, prompt_sets):
     return data, md
 
 
+def check_sweep_replays_the_prompts(folder, data, md, target, draft, prompt_sets, trace_name):
+    """The pair's sweep ran under the prompt sets' routing trace (interleaved), and every point
+    counts the experts of the trace window it replayed."""
+    import numpy as np
+
+    from mac_moesd.measure import routing_trace
+
+    path = folder / "traces" / trace_name
+    trace = routing_trace.load_trace(path)
+    record = data["pairs"][f"{target}|{draft}"]["sweep_routing"]
+    assert record["routing"] == f"trace:{path.resolve()}" and record["prompt_sets"] == list(prompt_sets)
+    ((key, entry),) = [(k, e) for k, e in data["sweeps"].items() if e["model"] == target]
+    assert key.endswith(f"|routing=trace:{trace_name}@{trace.digest}") and entry["routing"] == record["routing"]
+    routed = [data["routing"][f"{target}|prompt set {p}"] for p in prompt_sets]
+    first = [routing_trace.load_trace(r["trace"]) for r in routed]
+    assert trace.sequences == sum(r["sequences"] for r in routed)
+    for i, one in enumerate(first):  # the sets in turn: sequence i is set i's first prompt
+        assert np.array_equal(trace.indices[:, i], one.indices[:, 0])
+    # Routed at full depth, so the trace holds every MoE layer the sweep replayed it to; every
+    # batch of the tiny grid is within the trace's sequences: the last t tokens of the first B.
+    assert all(r["layers_measured"] == entry["layers_full"] == entry["layers"] for r in routed)
+    for point_key, point in entry["points"].items():
+        b, t = (int(v) for v in point_key.split("x"))
+        window = trace.indices[:, :b, trace.length - t:, :]
+        assert point["unique_experts"] == np.mean([np.unique(layer).size for layer in window]), point_key
+    assert (f"with the prompts' routing, replayed from traces/{trace_name} (the experts the target chose on "
+            f"{', '.join(prompt_sets)}: {trace.sequences} sequences of {trace.length} tokens; the router still "
+            "runs), so the grid and the SD runs share one routing.") in md
+
+
 @pytest.mark.slow
 def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tiny_pair):
     target, draft = tiny_pair
@@ -222,6 +333,7 @@ def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tin
     assert data["pairs"]["target|draft"]["stored"] == {"target": "fp16", "draft": "fp16"}
     assert "| target | target | " in md and "(stored fp16)" in md
     assert "## Verdict: is speculative decoding worth it here?" not in md  # the pair's own verdict only
+    check_sweep_replays_the_prompts(folder, data, md, "target", "draft", ("code", "chat"), "target-code+chat.npz")
 
     # Resumable: a rerun keeps every finished stage and rewrites the report.
     before = (folder / "results.json").read_text()
@@ -230,6 +342,9 @@ def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tin
     after, before = json.loads((folder / "results.json").read_text()), json.loads(before)
     for section in ("roofline", "routing", "fits", "spec"):
         assert after[section] == before[section]
+    # The same trace, so the same sweep entry, resumed with nothing to measure.
+    assert after["pairs"]["target|draft"]["sweep_routing"] == before["pairs"]["target|draft"]["sweep_routing"]
+    assert set(after["sweeps"]) == set(before["sweeps"])
     for key, entry in before["sweeps"].items():
         assert after["sweeps"][key]["points"] == entry["points"]
 
@@ -246,6 +361,8 @@ def test_a_pair_saved_by_the_test_runs_through_the_same_command(tmp_path, tiny_g
     data, md = check_pair_report(folder, "my-moe", "my-draft", ("chat", str(prompts)))
     assert data["spec"][f"my-moe|my-draft|real|{prompts}"]["prompts"]["count"] == 12
     assert (folder / "traces" / "my-moe-mine.npz").exists()
+    check_sweep_replays_the_prompts(folder, data, md, "my-moe", "my-draft", ("chat", str(prompts)),
+                                    "my-moe-chat+mine.npz")
 
 
 @pytest.mark.slow
@@ -262,6 +379,12 @@ def test_a_failing_pair_stage_is_skipped_and_named(tmp_path, tiny_grid, tiny_pai
     md = (folder / "report.md").read_text()
     assert "Skipped routing target on chat: RuntimeError" in md
     assert "### Verdict for this pair" in md and "### Routing on your prompts" not in md
+    # No trace to replay: the sweep timed random ids under the target's own routing, and says so.
+    data = json.loads((folder / "results.json").read_text())
+    assert data["pairs"]["target|draft"]["sweep_routing"]["key"] == "model"
+    assert all(e.get("routing", "model") == "model" for e in data["sweeps"].values())
+    assert ("over random token ids under the target's own routing, not the prompts' (no routing trace of "
+            "the prompts is saved: their routing stages were skipped).") in md
 
 
 def test_the_report_says_when_no_cached_pair_was_found():

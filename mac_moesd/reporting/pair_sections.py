@@ -71,10 +71,23 @@ def _measured(d: Digest, p: dict) -> list:
                    f"{', '.join(map(str, p['spec_batches']))} with gamma "
                    f"{', '.join(map(str, p['spec_gammas']))} (batch 1 with mlx-lm's "
                    "`speculative_generate_step`, larger batches with the suite's loop driven by the "
-                   f"drafter); the target's sweep at context {p['context']} over random token ids "
-                   "(timing depends on the routing the ids cause; the routing on your prompts is "
-                   "measured below)."))
+                   f"drafter); the target's sweep at context {p['context']} {_sweep_routing(p)}."))
     return blocks
+
+
+def _sweep_routing(p: dict) -> str:
+    """Which routing the target's sweep timed (runs that did not record it swept random ids)."""
+    r = p.get("sweep_routing")
+    if r is None:
+        return ("over random token ids (timing depends on the routing the ids cause; the routing on "
+                "your prompts is measured below)")
+    if r["key"] == "model":
+        return f"over random token ids under the target's own routing, not the prompts' ({r['why']})"
+    spans = ("" if r["spans_per_sequence"] == 1 else f"; its largest batch takes up to "
+             f"{r['spans_per_sequence']} disjoint spans of one prompt")
+    return (f"with the prompts' routing, replayed from {r['trace']} (the experts the target chose on "
+            f"{', '.join(r['prompt_sets'])}: {r['sequences']} sequences of {r['length']} tokens{spans}; "
+            "the router still runs), so the grid and the SD runs share one routing")
 
 
 def _prompt_sets(d: Digest, p: dict) -> list[str]:
