@@ -1,14 +1,9 @@
-"""The results file: one JSON document per chip, written atomically after every finished point.
-
-Format history (``schema``):
-- ``mac-moesd/1``: ``meta`` plus sections ``sweeps`` (keyed by model/dtype/bits/context/layers,
-  each with ``points`` keyed ``"<batch>x<tokens>"``), ``draft``, ``reject`` and later sections.
-  A sharded sweep's file has ``meta.cluster`` (ranks, backend, hosts, parallel), a ``cluster``
-  section and ``communication`` (per model, per point: each collective's count and time).
+"""The results file on disk: read (older schemas brought to today's), written atomically after
+every finished point, resumed, and refused when it is not this machine's.
 
 Rerunning the same command resumes: points already present under the same key are skipped. A file
-that is corrupt, of another schema, or measured on another machine or MLX version is reported and
-left untouched.
+that is corrupt, of an unknown schema, or measured on another machine or MLX version is reported
+and left untouched. What the documents inside hold is ``schema``'s.
 
 One process writes a results file at a time: a command holds the file's writer's lock
 (``WriterLock``) while it has the file open, so a second command pointed at the same file (another
@@ -29,17 +24,19 @@ from typing import Any
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.finite_json import finite_document
+from mac_moesd.results.schema import READS, SCHEMA, upgrade
 
-__all__ = ["SCHEMA", "ResultsBusy", "ResultsStore", "WriterLock", "load_results"]
+__all__ = ["ResultsBusy", "ResultsStore", "WriterLock", "ensure_writable", "incompatibility", "load_results",
+           "write_atomic"]
 
-SCHEMA = "mac-moesd/1"
 # Meta fields that must match for measurements to share one file.
 COMPATIBLE_KEYS = ("chip_slug", "backend")
 COMPATIBLE_VERSIONS = ("mlx",)
 
 
 def load_results(path: Path) -> dict:
-    """Read and validate a results file; raise MacMoesdError saying what is wrong."""
+    """Read and validate a results file, in today's schema whatever schema of ``READS`` it was
+    written in; raise MacMoesdError saying what is wrong."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -52,12 +49,12 @@ def load_results(path: Path) -> dict:
         ) from None
     if not isinstance(data, dict) or "schema" not in data:
         raise MacMoesdError(f"{path} is not a mac-moesd results file; it was left untouched")
-    if data["schema"] != SCHEMA:
+    if data["schema"] not in READS:
         raise MacMoesdError(
-            f"{path} has schema {data['schema']!r}, this version reads {SCHEMA!r}; "
+            f"{path} has schema {data['schema']!r}, this version reads {' and '.join(map(repr, READS))}; "
             "it was left untouched"
         )
-    return data
+    return upgrade(data)
 
 
 class ResultsBusy(MacMoesdError):
