@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from mac_moesd.analysis import expert_reads, fit, theory
+from mac_moesd.analysis.fit import inputs as fit_inputs
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -365,6 +366,6 @@ def test_sort_threshold_read_from_mlx_lm_or_defaulted(monkeypatch):
     def unreadable(_):
         raise OSError("no source")
 
-    monkeypatch.setattr(fit.inspect, "getsource", unreadable)
+    monkeypatch.setattr(fit_inputs.inspect, "getsource", unreadable)
     threshold, source = fit.mlx_sort_threshold()
     assert threshold == theory.MLX_SORT_THRESHOLD and source.startswith("default")

@@ -1,0 +1,169 @@
+"""The fit as stored in the results file, and the readers of stored fits: a speedup predictor
+from a fit document, the prediction and acceptance beside a timed SD run, and the sweep's plain
+step that run is compared with."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mac_moesd.analysis import cluster
+from mac_moesd.analysis.digest import Digest, full_depth_points
+from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, FitInputs
+from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel, VariantFit, paper_comparison,
+                                          peaks, predict, sparsity_sweep, verify_tokens)
+from mac_moesd.analysis.fit.solve import regime
+
+__all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "run_alpha", "run_context",
+           "run_prediction", "speedup_predictor", "sweep_plain_step"]
+
+
+def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
+    i = result.inputs
+    best = result.best
+    chosen = result.model()
+    predictions = predict(chosen, i.context, alphas=alphas, verify=i.verify)
+    sorted_from = (math.ceil(i.sort_threshold / i.top_k) if i.sort_threshold > 0 else 1)
+    return {
+        "model": i.model,
+        "draft_model": i.draft_model,
+        "drafted": i.drafted,
+        "experts": i.experts,
+        "top_k": i.top_k,
+        "context": i.context,
+        "weight_format": i.weight_format,
+        "ridge_flop_per_byte": i.ridge,
+        "ridge_source": i.ridge_source,
+        "ridge_tokens": i.ridge_tokens,
+        "knee_tokens": best.params.knee(i.ridge_tokens),
+        "bandwidth_bytes_s": i.bandwidth,
+        "bandwidth_source": i.bandwidth_source,
+        "verify_tokens": i.verify,
+        "extrapolated": i.extrapolated,
+        "sort_threshold": i.sort_threshold,
+        "sort_threshold_source": i.sort_threshold_source,
+        "sorted_from_tokens": sorted_from,
+        "chosen": result.chosen,
+        "regime": regime(result),
+        "variants": [{"name": v.name, "heldout_mape": v.heldout_mape, "params": _params_doc(v, i.drafted),
+                      "k_kv": v.k_kv, "k_seq": v.k_seq, "knee_tokens": v.params.knee(i.ridge_tokens),
+                      "worst_point": v.worst}
+                     for v in result.variants],
+        "missing": list(i.missing),
+        "pipelining": result.pipelining.to_dict(),
+        "routing": i.routing.to_dict(),
+        "one_row": chosen.one_row.to_dict() if chosen.one_row else None,
+        "params": _params_doc(best, i.drafted),
+        "k_kv": best.k_kv,
+        "k_seq": best.k_seq,
+        "kv": kv_section(result),
+        "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},
+        "train_points": best.train,
+        "heldout_points": best.heldout,
+        "heldout_mape": best.heldout_mape,
+        "worst_point": best.worst,
+        "predictions": predictions,
+        "peaks": peaks(predictions),
+        "sparsity": sparsity_sweep(chosen, i.context, verify=i.verify),
+        "paper_comparison": paper_comparison(result, alphas),
+        "communication": i.comm.to_dict() if i.comm is not None else None,
+        "cluster": cluster_section(chosen, i),
+    }
+
+
+def _params_doc(v: VariantFit, drafted: bool) -> dict[str, float | None]:
+    side = ("draft_bias", "draft_k", "reject_bias", "reject_k")
+    return {k: (None if (not drafted and k in side) else val) for k, val in v.params.to_dict().items()}
+
+
+def kv_section(result: FitResult) -> dict:
+    """How the KV term was identified: the two contexts, and the chosen fit at the second one."""
+    i, best = result.inputs, result.best
+    return {"context": i.context, "second_context": i.kv_points[0][2] if i.kv_points else None,
+            "separated": bool(i.kv_points), "k_kv": best.k_kv, "k_seq": best.k_seq,
+            "mape": float(np.mean([abs(r["error"]) for r in best.kv_rows])) if best.kv_rows else None,
+            "points": best.kv_rows}
+
+
+def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
+    """Predicted SD on the cluster the sweep ran on, with and without its communication."""
+    if inputs.comm is None or inputs.cluster is None:
+        return None
+    L, verify = inputs.context, inputs.verify
+
+    def target(batch, tokens):
+        return model.target(batch, tokens, L, pipelined=True)
+
+    def speedup(batch, gamma, alpha, with_comm):
+        if not model.drafted:
+            return None
+        return float(model.speedup(batch, gamma, alpha, L, verify, comm=with_comm)[()])
+
+    return {**inputs.cluster, "verify_tokens": verify,
+            "rows": cluster.cluster_rows(target, model.comm, speedup, lambda g: verify_tokens(g, verify))}
+
+
+# ---- readers of a stored fit ----
+
+
+def decoding_context(prompt: float, new_tokens: int) -> float:
+    """The context an SD run's forwards see on average: its prompt, plus half the tokens it
+    decodes (the cache grows by every one)."""
+    return prompt + new_tokens / 2
+
+
+def run_context(run: dict, doc: dict) -> float:
+    """``decoding_context`` of one row of a stored spec document."""
+    return decoding_context(run["context"] if "context" in run else doc["context"], doc.get("new_tokens", 0))
+
+
+def run_alpha(run: dict) -> float | None:
+    """The acceptance a timed SD run realised (alpha solved from its mean accepted draft tokens per
+    round), else its imposed alpha: a prediction set beside a measured speedup must use the
+    acceptance that speedup came from (emulated draws scatter around the imposed alpha: 0.59
+    realised for 0.70 in a 3-run, 32-token batch-1 check)."""
+    realised = run.get("measured_alpha")
+    return realised if realised is not None else run.get("alpha")
+
+
+def run_prediction(predictor, run: dict, doc: dict) -> float | None:
+    """A timed SD run's speedup as ``predictor`` (``speedup_predictor``) gives it at the run's
+    realised alpha and context, or the fitted model's as stored with the run when there is no
+    predictor or alpha (runs made before ``predicted_by`` stored the model's as
+    ``predicted_speedup``)."""
+    alpha = run_alpha(run)
+    if predictor is None or alpha is None:
+        return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
+    return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
+
+
+def sweep_plain_step(data: dict, model: str):
+    """A function batch -> the sweep's pipelined T_T(B,1) of ``model`` at full depth (seconds),
+    or None where the sweep did not time it; None when the results hold no sweep of ``model``."""
+    views = [m for m in Digest(data).models if m.name == model]
+    if not views:
+        return None
+    points, _ = full_depth_points(views[0].entries, "pipelined_points")
+
+    def step(batch: int) -> float | None:
+        point = points.get(f"{batch}x1")
+        return float(point["median_s"]) if point else None
+
+    return step
+
+
+def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):
+    """A function (batch, gamma, alpha, self_draft, context) -> predicted S from a stored fit
+    document's chosen variant, or None when the fit had no drafter to predict speedups with.
+
+    The KV term is taken at the context passed in (the SD run's own), not the fit's.
+    """
+    if not fit_doc.get("drafted") or "chosen" not in fit_doc:
+        return None
+    model = FittedModel.from_document(fit_doc)
+
+    def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool, context: int) -> float:
+        return float(model.speedup(batch, gamma, alpha, context, verify, self_draft)[()])
+
+    return predict_one

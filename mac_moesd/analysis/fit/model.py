@@ -1,0 +1,253 @@
+"""A fitted time model and what it predicts: T_T(B,t) at any context, the steps of an SD round,
+S(B,gamma), the prediction grid with its peaks and break-even values, and the what-ifs (top-k
+changed, MoESD's own expert-load curve and verify length)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from mac_moesd.analysis import break_even, cluster, expert_reads, pipelining, theory
+from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, NO_DRAFT, FitInputs
+from mac_moesd.analysis.one_row import OneRow
+from mac_moesd.errors import MacMoesdError
+
+__all__ = ["DEFAULT_ALPHAS", "DEFAULT_BATCHES", "DEFAULT_GAMMAS", "FitResult", "FittedModel", "VariantFit",
+           "paper_comparison", "peaks", "predict", "sparsity_sweep", "verify_tokens"]
+
+DEFAULT_ALPHAS = (0.5, 0.7, 0.9)
+DEFAULT_GAMMAS = tuple(range(1, 9))
+DEFAULT_BATCHES = tuple(range(1, 65))
+
+
+def verify_tokens(gamma: int, verify: str) -> int:
+    return gamma + 1 if verify == "gamma+1" else gamma
+
+
+@dataclass(frozen=True)
+class FittedModel:
+    """One fitted variant, ready to predict T_T(B,t) at any context and S(B,gamma)."""
+
+    params: theory.TimeModel
+    k_kv: float
+    experts: int
+    top_k: int
+    ridge_tokens: float
+    loads: str
+    sort_threshold: int
+    drafted: bool
+    pipelining: pipelining.Pipelining = pipelining.Pipelining()
+    comm: cluster.CommTerm | None = None  # a sharded forward's measured communication
+    routing: expert_reads.Routing = expert_reads.Routing()  # unique experts the routing activates
+    one_row: OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
+    k_seq: float = 0.0  # seconds per sequence that do not grow with context (theory.kv_time)
+
+    def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True,
+               active=None) -> np.ndarray:
+        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
+        sharded forward's communication C(n) (``comm=False``: a free link); with ``pipelined``,
+        less the graph-building time a pipelined loop hides. The one-row forward (n = 1) is the
+        sweep's own timing where it has one, carried from its context to L by the KV term.
+        ``active``: the unique experts at those points, where the caller has them already."""
+        batch = np.asarray(batch, dtype=float)
+        n = batch * np.asarray(tokens, dtype=float)
+        link = self.comm.time(n) if comm and self.comm is not None else 0.0
+        if active is None:
+            active = self.routing.unique(batch, tokens, self.experts, self.top_k)
+        kv = theory.kv_time(batch, context, self.k_kv, self.k_seq)
+        sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
+                                        self.sort_threshold, active) + kv + link)
+        curve = pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
+        if self.one_row is None:
+            return curve
+        # The timing includes the sweep's own link; a free link takes the measured one off.
+        free_link = self.comm.time(n) if not comm and self.comm is not None else 0.0
+        here = (self.one_row.seconds(pipelined, self.pipelining.target_s) + kv
+                - theory.kv_time(batch, self.one_row.context, self.k_kv, self.k_seq) - free_link)
+        return np.where((n == 1) & (here > 0), here, curve)
+
+    def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
+                self_draft: bool = False, comm: bool = True) -> np.ndarray:
+        """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
+        (``pipelining``); a self-draft's step is the target's."""
+        sigma = theory.normalised_acceptance(alpha, gamma)
+        return theory.speedup(sigma, gamma, *self.step_times(batch, gamma, context, verify, self_draft, comm))
+
+    def step_times(self, batch, gamma: int, context: int, verify: str = DEFAULT_VERIFY,
+                   self_draft: bool = False, comm: bool = True) -> tuple[np.ndarray, ...]:
+        """(plain step, verify forward, mean draft step, rejection sampling) of a round, each as
+        the loops run it; a round costs gamma draft steps + the verify + rejection sampling."""
+        if not self.drafted:
+            raise MacMoesdError(NO_DRAFT)
+        plain = self.target(batch, 1, context, pipelined=True, comm=comm)
+        verify_t = self.target(batch, verify_tokens(gamma, verify), context, pipelined=True, comm=comm)
+        if self_draft:
+            draft = pipelining.draft_step(self.target(batch, 1, context, comm=comm),
+                                          self.pipelining.target_s, gamma)
+        else:
+            draft = pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
+                                          self.pipelining.draft_s, gamma)
+        return plain, verify_t, draft, self.params.reject_time(batch)
+
+    @classmethod
+    def from_document(cls, doc: dict, variant: str | None = None) -> FittedModel:
+        """The chosen (or the named) variant of a stored fit document (``fit_document``'s)."""
+        name = variant or doc["chosen"]
+        v = next(x for x in doc["variants"] if x["name"] == name)
+        params = {k: (0.0 if val is None else val) for k, val in v["params"].items()}
+        comm = doc.get("communication")
+        return cls(theory.TimeModel(**params), v["k_kv"], doc["experts"], doc["top_k"],
+                   doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"],
+                   pipelining.Pipelining.from_dict(doc.get("pipelining")),
+                   cluster.CommTerm.from_dict(comm) if comm else None,
+                   expert_reads.Routing.from_dict(doc.get("routing")),
+                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0))
+
+
+@dataclass(frozen=True)
+class VariantFit:
+    name: str
+    params: theory.TimeModel
+    k_kv: float  # MagicDec's KV-read term: seconds per cached token per sequence
+    bounds: dict[str, tuple[float, float]]
+    train: list[dict]
+    heldout: list[dict]
+    heldout_mape: float | None
+    worst: dict | None
+    cost: float
+    k_seq: float = 0.0  # seconds per sequence that do not grow with context (0: not told apart)
+    kv_rows: list[dict] = field(default_factory=list)  # the fit at the second context
+
+
+@dataclass(frozen=True)
+class FitResult:
+    variants: list[VariantFit]
+    chosen: str
+    inputs: FitInputs = field(repr=False)
+    pipelining: pipelining.Pipelining = pipelining.Pipelining()
+
+    def variant(self, name: str) -> VariantFit:
+        return next(v for v in self.variants if v.name == name)
+
+    @property
+    def best(self) -> VariantFit:
+        return self.variant(self.chosen)
+
+    @property
+    def params(self) -> theory.TimeModel:
+        return self.best.params
+
+    @property
+    def k_kv(self) -> float:
+        return self.best.k_kv
+
+    @property
+    def bounds(self) -> dict[str, tuple[float, float]]:
+        return self.best.bounds
+
+    @property
+    def heldout_mape(self) -> float | None:
+        return self.best.heldout_mape
+
+    def model(self, name: str | None = None, timed_one_row: bool = True) -> FittedModel:
+        """A variant ready to predict; with ``timed_one_row``, its one-row forward is the sweep's
+        timing of it (``one_row``), else the fitted curve's."""
+        v = self.variant(name or self.chosen)
+        i = self.inputs
+        row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
+        return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
+                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq)
+
+
+def predict(
+    model: FittedModel,
+    context: int,
+    batches=DEFAULT_BATCHES,
+    gammas=DEFAULT_GAMMAS,
+    alphas=DEFAULT_ALPHAS,
+    verify: str = DEFAULT_VERIFY,
+) -> list[dict]:
+    """S(B, gamma) and target efficiency for every batch, draft length and acceptance rate.
+
+    ``speedup`` is None when the drafter was not measured.
+    """
+    b = np.asarray(batches, dtype=float)
+    plain = model.target(b, 1, context)
+    rows = []
+    for gamma in gammas:
+        efficiency = theory.target_efficiency(plain, model.target(b, verify_tokens(gamma, verify), context))
+        steps = (np.broadcast_to(x, b.shape) for x in model.step_times(b, gamma, context, verify)) \
+            if model.drafted else None
+        parts = list(zip(*steps)) if steps is not None else [None] * len(batches)
+        for alpha in alphas:
+            s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
+                 else [None] * len(batches))
+            rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
+                      "speedup": None if v is None else float(v), "target_efficiency": float(e),
+                      **_break_even(p, gamma, alpha)}
+                     for bb, v, e, p in zip(batches, s, efficiency, parts)]
+    return rows
+
+
+def _break_even(parts, gamma: int, alpha: float) -> dict:
+    """A prediction row's break-even acceptance and drafter cost (``break_even``) from its round's
+    step times (plain, verify, draft step, reject); None without a drafter."""
+    if parts is None:
+        return {"break_even_alpha": None, "break_even_draft_ratio": None}
+    plain, verify_s, draft, reject = (float(x) for x in parts)
+    return {"break_even_alpha": break_even.break_even_alpha(plain, verify_s, draft, reject, gamma),
+            "break_even_draft_ratio": break_even.break_even_draft_ratio(plain, verify_s, reject, gamma, alpha)}
+
+
+def peaks(predictions: list[dict]) -> list[dict]:
+    """For each (gamma, alpha): the batch of peak speedup and the batches within peak/sqrt(2)."""
+    out = []
+    keys = sorted({(p["gamma"], p["alpha"]) for p in predictions if p["speedup"] is not None})
+    for gamma, alpha in keys:
+        rows = [p for p in predictions if p["gamma"] == gamma and p["alpha"] == alpha]
+        top = max(rows, key=lambda p: p["speedup"])
+        window = [p["batch"] for p in rows if p["speedup"] >= top["speedup"] / math.sqrt(2)]
+        out.append({"gamma": gamma, "alpha": alpha, "peak_batch": top["batch"],
+                    "peak_speedup": top["speedup"], "window": [min(window), max(window)]})
+    return out
+
+
+def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches=DEFAULT_BATCHES,
+                   verify=DEFAULT_VERIFY) -> list[dict]:
+    """The same fitted model with K changed (as MoESD edits num_experts_per_tok).
+
+    Acceptance is held at ``alpha`` for every K, which is what MoESD's rescaling of raw speedups
+    by sigma_K0 / sigma_K achieves for measured runs.
+    """
+    if not model.drafted:
+        return []
+    E, K = model.experts, model.top_k
+    ks = sorted({k for k in (1, 2, K // 2, K, 2 * K, 4 * K) if 1 <= k <= E})
+    out = []
+    for k in ks:
+        # The counted experts and the timed one-row forward were for the model's own K; another
+        # K takes the fitted routing form and the curve.
+        changed = replace(model, top_k=k, routing=model.routing if k == K else model.routing.form_only(),
+                          one_row=model.one_row if k == K else None)
+        rows = predict(changed, context, batches, (gamma,), (alpha,), verify)
+        top = max(rows, key=lambda p: p["speedup"])
+        out.append({"top_k": k, "rho": k / E, "peak_batch": top["batch"], "peak_speedup": top["speedup"],
+                    "speedup_batch1": rows[0]["speedup"]})
+    return out
+
+
+def paper_comparison(result: FitResult, alphas=DEFAULT_ALPHAS, gammas=DEFAULT_GAMMAS) -> list[dict]:
+    """Batch-1 speedups: the prediction (the chosen variant with the timed one-row forward,
+    gamma+1 verify tokens, as the loops run), MoESD's ``unique`` curve with the same verify, and
+    ``unique`` with the paper's gamma verify tokens."""
+    if not result.inputs.drafted:
+        return []
+    L = result.inputs.context
+    chosen, unique = result.model(), result.model("unique", timed_one_row=False)
+    return [{"gamma": g, "alpha": a,
+             "chosen": float(chosen.speedup(1, g, a, L, "gamma+1")[()]),
+             "unique": float(unique.speedup(1, g, a, L, "gamma+1")[()]),
+             "unique_paper_verify": float(unique.speedup(1, g, a, L, "gamma")[()])}
+            for g in gammas for a in alphas]
