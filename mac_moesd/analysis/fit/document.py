@@ -14,6 +14,7 @@ from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, FitInputs
 from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel, VariantFit, paper_comparison,
                                           peaks, predict, sparsity_sweep, verify_tokens)
 from mac_moesd.analysis.fit.solve import regime
+from mac_moesd.results import point_key
 
 __all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "run_alpha", "run_context",
            "run_prediction", "speedup_predictor", "sweep_plain_step"]
@@ -147,7 +148,7 @@ def sweep_plain_step(data: dict, model: str):
     points, _ = full_depth_points(views[0].entries, "pipelined_points")
 
     def step(batch: int) -> float | None:
-        point = points.get(f"{batch}x1")
+        point = points.get(point_key(batch, 1))
         return float(point["median_s"]) if point else None
 
     return step

@@ -12,6 +12,7 @@ from mac_moesd.analysis import cluster, expert_reads, theory
 from mac_moesd.analysis.digest import Digest, depth_entries, full_depth_points, second_context_points
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine.chips import lookup_spec
+from mac_moesd.results import parse_point_key, point_key
 
 __all__ = ["DEFAULT_VERIFY", "FitInputs", "NO_DRAFT", "NO_PIPELINED", "NO_REJECT", "NO_SECOND_CONTEXT",
            "ONE_CONTEXT_ONLY", "inputs_from_results", "mlx_sort_threshold"]
@@ -84,11 +85,7 @@ class FitInputs:
 
 
 def _as_pairs(points: dict) -> list[tuple[int, int, float]]:
-    out = []
-    for key, m in points.items():
-        batch, tokens = (int(v) for v in key.split("x"))
-        out.append((batch, tokens, float(m["median_s"])))
-    return sorted(out)
+    return sorted((*parse_point_key(key), float(m["median_s"])) for key, m in points.items())
 
 
 def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFAULT_VERIFY,
@@ -100,8 +97,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     full, footprint = view.full, view.footprint
     points, extrapolated = full_depth_points(view.entries)
     target = _as_pairs(points)
-    counts = {(b, t): float(points[f"{b}x{t}"]["unique_experts"]) for b, t, _ in target
-              if points[f"{b}x{t}"].get("unique_experts") is not None}
+    counts = {(b, t): float(points[point_key(b, t)]["unique_experts"]) for b, t, _ in target
+              if points[point_key(b, t)].get("unique_experts") is not None}
     target_pipelined = _as_pairs(full_depth_points(view.entries, "pipelined_points")[0])
     kv_points = _second_context(view.entries)
     draft, rejects = _drafter(data, full, draft_model)
