@@ -35,6 +35,7 @@ from mac_moesd.inputs import models
 from mac_moesd.machine import blas
 from mac_moesd.measure import sweep, timing
 from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.results import point_key
 
 GOAL_MEDIAN, GOAL_WORST = 0.05, 0.10
 BATCHES, TOKENS, SD_BATCHES, GAMMAS = (1, 2, 4, 8), (1, 2, 3, 4, 5, 6, 8), (1, 2, 4), (2, 4)
@@ -84,11 +85,11 @@ def entry(built, context: int, sync: dict, pipe: dict, stats: dict, role: str | 
         out["role"] = role
     for kind, measured in (("points", sync), ("pipelined_points", pipe)):
         for (b, t), m in measured.items():
-            out[kind][sweep.point_key(b, t)] = sweep.recorded(kind, t, m, CHAINS, stats.get((b, t), {}))
+            out[kind][point_key(b, t)] = sweep.recorded(kind, t, m, CHAINS, stats.get((b, t), {}))
     if short:
-        keys = [sweep.point_key(b, t) for b, t in short]
+        keys = [point_key(b, t) for b, t in short]
         out.update(kv_context=second_context,
-                   kv_points={str(second_context): {sweep.point_key(b, t): sweep.recorded("points", t, m, CHAINS, {})
+                   kv_points={str(second_context): {point_key(b, t): sweep.recorded("points", t, m, CHAINS, {})
                                                     for (b, t), m in short.items()}},
                    kv_twins={str(second_context): {k: out["points"][k] for k in keys}})
     return out
@@ -143,7 +144,7 @@ def main() -> int:
     data["draft"] = {sweep.entry_key(draft, args.context): entry(
         draft, args.context, kind("draft", "sync"), kind("draft", "pipe"), {}, role="draft")}
     data["reject"] = {f"V{vocab}|gamma{REJECT_GAMMA}": {"vocab": vocab, "gamma": REJECT_GAMMA, "points": {
-        sweep.point_key(b, REJECT_GAMMA + 1): m[("reject", b)].to_dict() for b in BATCHES}}}
+        point_key(b, REJECT_GAMMA + 1): m[("reject", b)].to_dict() for b in BATCHES}}}
     (out / "results.json").write_text(json.dumps(data))
     result = fit.fit(fit.inputs_from_results(data))
     model = result.model()

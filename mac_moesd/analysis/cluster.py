@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import nnls
 
+from mac_moesd.results import parse_point_key
+
 __all__ = ["CommKind", "CommTerm", "cluster_rows", "comm_term"]
 
 
@@ -81,7 +83,7 @@ def comm_term(data: dict, model: str | None = None) -> CommTerm | None:
         return None
     rows: dict[str, list] = {}
     for key, point in entries[0]["points"].items():
-        batch, tokens = (int(v) for v in key.split("x"))
+        batch, tokens = parse_point_key(key)
         for o in point["ops"]:
             rows.setdefault(o["op"], []).append((batch * tokens, o["bytes"], o["median_s"], o["count"]))
     return CommTerm(tuple(_fit_kind(op, r) for op, r in sorted(rows.items())))

@@ -11,6 +11,7 @@ from functools import cached_property
 
 from mac_moesd.analysis import theory
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import parse_point_key
 
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
@@ -89,7 +90,7 @@ class ModelView:
 
     @cached_property
     def points(self) -> dict[tuple[int, int], dict]:
-        return {tuple(int(v) for v in k.split("x")): m for k, m in self._points[0].items()}
+        return {parse_point_key(k): m for k, m in self._points[0].items()}
 
     @property
     def extrapolated(self) -> bool:
@@ -99,7 +100,7 @@ class ModelView:
     def pipelined(self) -> dict[tuple[int, int], dict]:
         """Seconds per forward in a pipelined chain (as mlx-lm generates), where measured."""
         points, _ = full_depth_points(self.entries, "pipelined_points")
-        return {tuple(int(v) for v in k.split("x")): m for k, m in points.items()}
+        return {parse_point_key(k): m for k, m in points.items()}
 
     @property
     def full(self) -> dict:

@@ -33,7 +33,7 @@ from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import cache_copy, routing, timing
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.results import ResultsStore
+from mac_moesd.results import ResultsStore, parse_point_key, point_key
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
@@ -284,10 +284,6 @@ def recorded(kind: str, tokens: int, m: timing.Measurement, budget: timing.Budge
         steps = pipelined_steps(tokens, budget)
         return {**timing.per_launch(m, steps).to_dict(), "steps": steps}
     return {**m.to_dict(), **stats}
-
-
-def point_key(batch: int, tokens: int) -> str:
-    return f"{batch}x{tokens}"
 
 
 def entry_header(built: models.Built, context: int, routing_label: str = "model",
@@ -634,7 +630,7 @@ def points_list(points: dict, pipelined: dict | None = None) -> list[dict]:
     """Rows of {batch, tokens, median_s, ...}; each with its pipelined timing when measured."""
     out = []
     for key, m in points.items():
-        batch, tokens = (int(v) for v in key.split("x"))
+        batch, tokens = parse_point_key(key)
         row = {"batch": batch, "tokens": tokens}
         row.update({k: v for k, v in m.items() if k != "samples_s"})
         if pipelined and key in pipelined:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mac_moesd.analysis.digest import Digest
 from mac_moesd.reporting.formatting import seconds
+from mac_moesd.results import parse_point_key
 
 __all__ = ["cluster_blocks"]
 
@@ -31,9 +32,8 @@ def cluster_blocks(d: Digest) -> list:
     for entry in d.data.get("communication", {}).values():
         model = d.model(entry["model"])
         rows = []
-        for key, point in sorted(entry["points"].items(),
-                                 key=lambda kv: tuple(int(v) for v in kv[0].split("x"))):
-            batch, tokens = (int(v) for v in key.split("x"))
+        for key, point in sorted(entry["points"].items(), key=lambda kv: parse_point_key(kv[0])):
+            batch, tokens = parse_point_key(key)
             total = model.median(batch, tokens) if model else None
             kinds = "; ".join(f"{o['count']} x {o['op']} of {o['bytes']} B at {seconds(o['median_s'])}"
                               for o in point["ops"])

@@ -19,6 +19,7 @@ from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.reporting.serving_section import draw as draw_serving, serving_blocks
 from mac_moesd.analysis import expert_reads, theory, verdict
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
+from mac_moesd.results import parse_point_key
 from mac_moesd.reporting.formatting import (measured_speedup, plain_vs_sweep, precision_note, predicted_cells, kv_lines, one_row_lines, pipelining_lines, roofline_shrunk_line,
                                              routing_sentence, seconds, throttled_lines)
 
@@ -554,7 +555,7 @@ def sweep_csv(data: dict) -> str:
              "routing,gather,unique_experts,pairs"]
     for e in data.get("sweeps", {}).values():
         for key, m in sorted(e["points"].items()):
-            b, t = key.split("x")
+            b, t = parse_point_key(key)
             routing = e.get("routing", "model")
             if "," in routing or '"' in routing:  # a trace path: one CSV field
                 routing = '"' + routing.replace('"', '""') + '"'
