@@ -26,6 +26,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from mac_moesd import mlxlm_compat
 from mac_moesd.machine import memory
+from mac_moesd.units import human_bytes
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.measure import routing_trace
@@ -371,8 +372,8 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
     need = memory.routing_estimate(built, sequences, cfg.length)
     if not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(
-            f"{source.name} with {built.layers} layers needs about {memory.human(need['peak_bytes'])}; "
-            f"{memory.human(available_bytes)} is usable here: route a slice with --layers or --bits 4"
+            f"{source.name} with {built.layers} layers needs about {human_bytes(need['peak_bytes'])}; "
+            f"{human_bytes(available_bytes)} is usable here: route a slice with --layers or --bits 4"
         )
     if not switch_modules(built.model):
         raise MacMoesdError(f"{source.name} has no MoE layers to route")

@@ -38,6 +38,7 @@ from mac_moesd.analysis.fit import decoding_context, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.machine import memory
+from mac_moesd.units import human_bytes
 from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
 from mac_moesd.measure.round_parts import RoundParts, round_prediction
@@ -349,8 +350,8 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
             return target, draft, need
         if layers == 1:
             raise MacMoesdError(
-                f"SD of {target_src.name} needs about {memory.human(need['peak_bytes'])} even with "
-                f"one layer; {memory.human(available_bytes)} is usable here: try --bits 4, a "
+                f"SD of {target_src.name} needs about {human_bytes(need['peak_bytes'])} even with "
+                f"one layer; {human_bytes(available_bytes)} is usable here: try --bits 4, a "
                 "smaller --batch or --context, or a larger --memory-limit")
         layers //= 2
 

@@ -1,8 +1,10 @@
-"""Human renderings of the CLI's documents. Data stays in SI units; only this module humanises."""
+"""Human renderings of the CLI's documents. Data stays in SI units; only this module humanises
+(byte sizes through ``units``)."""
 
 from __future__ import annotations
 
 from mac_moesd.machine import thermal
+from mac_moesd.units import gib, human_bytes
 
 
 def si(value: float | None, unit: str, digits: int = 3) -> str:
@@ -22,10 +24,6 @@ def seconds(value: float) -> str:
     if value >= 1e-3:
         return f"{value * 1e3:.3g} ms"
     return f"{value * 1e6:.3g} us"
-
-
-def gib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / 2**30:.1f} GiB"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -603,10 +601,6 @@ def throttled_lines(data: dict) -> list[str]:
     return lines
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
-
-
 def roofline_shrunk_line(shrunk: dict | None) -> str | None:
     """What ``roofline.fit_memory`` shrank to fit memory, or None when it ran as configured."""
     if not shrunk:
@@ -614,15 +608,15 @@ def roofline_shrunk_line(shrunk: dict | None) -> str | None:
     was, now = shrunk["from"], shrunk["to"]
     changes = []
     if now["sizes_bytes"] != was["sizes_bytes"]:
-        changes.append(f"STREAM arrays up to {_size(max(now['sizes_bytes']))} (not {_size(max(was['sizes_bytes']))})")
+        changes.append(f"STREAM arrays up to {human_bytes(max(now['sizes_bytes']))} (not {human_bytes(max(was['sizes_bytes']))})")
     if now["gemv_bytes"] != was["gemv_bytes"]:
-        changes.append(f"a {_size(now['gemv_bytes'])} GEMV weight (not {_size(was['gemv_bytes'])})")
+        changes.append(f"a {human_bytes(now['gemv_bytes'])} GEMV weight (not {human_bytes(was['gemv_bytes'])})")
     if now["min_launch_bytes"] != was["min_launch_bytes"]:
-        changes.append(f"launch outputs of at least {_size(now['min_launch_bytes'])} per timed eval "
-                       f"(not {_size(was['min_launch_bytes'])})")
-    line = (f"Shrunk to fit memory: the configured roofline peaks at {_size(was['peak_bytes'])} and "
-            f"{_size(shrunk['usable_bytes'])} was usable, so it ran with " + ", ".join(changes)
-            + f", peaking at {_size(now['peak_bytes'])}.")
+        changes.append(f"launch outputs of at least {human_bytes(now['min_launch_bytes'])} per timed eval "
+                       f"(not {human_bytes(was['min_launch_bytes'])})")
+    line = (f"Shrunk to fit memory: the configured roofline peaks at {human_bytes(was['peak_bytes'])} and "
+            f"{human_bytes(shrunk['usable_bytes'])} was usable, so it ran with " + ", ".join(changes)
+            + f", peaking at {human_bytes(now['peak_bytes'])}.")
     if not shrunk["plateau_reached"]:
         line += (" No STREAM size reached the plateau past the caches: the bandwidth is that of the "
                  "largest size that fit, and may be a cache's.")

@@ -11,6 +11,7 @@ from mac_moesd.analysis import theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.measure.routing import prompts_label
 from mac_moesd.reporting.formatting import measured_speedup, plain_vs_sweep, precision_note, predicted_cells
+from mac_moesd.units import human_bytes
 
 __all__ = ["first_lines", "pair_blocks"]
 
@@ -33,10 +34,6 @@ def first_lines(d: Digest) -> list:
     return blocks
 
 
-def _human_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def _params(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
@@ -56,12 +53,12 @@ def _measured(d: Digest, p: dict) -> list:
         rows.append(["target", p["target"], p["target_arg"], _format(target.weight_format, p, "target"),
                      f"{fp['experts']} experts, top-{fp['top_k']}", str(target.full["layers_full"]),
                      f"{_params(fp['params_total'])} ({_params(fp['params_active'])} active)",
-                     _human_bytes(fp["bytes_total"])])
+                     human_bytes(fp["bytes_total"], places=2)])
     draft = d.draft_entry(p["draft"], p["context"])
     if draft is not None:
         fp = draft["footprint"]
         rows.append(["drafter", p["draft"], p["draft_arg"], _format(weight_format(draft), p, "draft"), "dense",
-                     str(draft["layers_full"]), _params(fp["params_total"]), _human_bytes(fp["bytes_total"])])
+                     str(draft["layers_full"]), _params(fp["params_total"]), human_bytes(fp["bytes_total"], places=2)])
     blocks = [("h3", "What was measured")]
     if rows:
         blocks.append(("table", ["role", "model", "from", "format", "experts", "layers", "parameters",
