@@ -5,6 +5,7 @@ import pytest
 from conftest import TINY_BUDGET
 from mlx_lm.utils import save_config, save_model
 
+from mac_moesd.analysis import depth
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import sweep
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -88,7 +89,7 @@ def test_layer_slices_extrapolate_to_full_depth(config_dir, tmp_path):
 def test_extrapolation_formula():
     small = {"points": {"1x1": {"median_s": 1.0, "iqr_s": 0.1, "repeats": 5}}}
     large = {"points": {"1x1": {"median_s": 1.5, "iqr_s": 0.1, "repeats": 7}}}
-    out = sweep.extrapolate(small, large, n=2, full=10)["1x1"]
+    out = depth.extrapolate(small, large, n=2, full=10)["1x1"]
     assert out["median_s"] == pytest.approx(1.0 + 0.5 * 4)  # 0.25 s per layer, 0.5 s outside
     assert out["repeats"] == 5
 

@@ -10,49 +10,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from mac_moesd.analysis import theory
-from mac_moesd.errors import MacMoesdError
+from mac_moesd.analysis.depth import full_depth_points
 from mac_moesd.results import parse_point_key
 
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
-
-
-def depth_entries(entries: list[dict]) -> list[dict]:
-    """The entries full depth is read from: the full-depth one, else an (n, 2n) pair of slices."""
-    for e in entries:
-        if e["layers"] == e["layers_full"]:
-            return [e]
-    by_layers = {e["layers"]: e for e in entries}
-    for n, small in sorted(by_layers.items()):
-        if 2 * n in by_layers:
-            return [small, by_layers[2 * n]]
-    raise MacMoesdError("only partial layer slices were measured; rerun the sweep to finish them")
-
-
-def full_depth_points(entries: list[dict], kind: str = "points") -> tuple[dict, bool]:
-    """Points at full depth: measured, or extrapolated from an (n, 2n) pair of slices.
-    ``kind``: "points" (synchronous) or "pipelined_points" (empty where not measured)."""
-    from mac_moesd.measure.sweep import extrapolate
-
-    used = depth_entries(entries)
-    if len(used) == 1:
-        return used[0].get(kind, {}), False
-    small, large = used
-    return extrapolate({"points": small.get(kind, {})}, {"points": large.get(kind, {})},
-                       small["layers"], small["layers_full"]), True
-
-
-def second_context_points(entries: list[dict]) -> tuple[int | None, dict]:
-    """The second context and the one-token points timed there beside the grid (each scaled by
-    its twin, ``sweep.kv_in_use``), at full depth; (None, {}) where the sweep timed none or its
-    slices were timed at different second contexts."""
-    from mac_moesd.measure.sweep import kv_in_use
-
-    used = depth_entries(entries)
-    contexts = {e.get("kv_context") for e in used}
-    if len(contexts) != 1 or None in contexts:
-        return None, {}
-    points, _ = full_depth_points([{**e, "kv_in_use": kv_in_use(e)} for e in used], "kv_in_use")
-    return contexts.pop(), points
 
 
 def scaled_footprint(entry: dict) -> dict:

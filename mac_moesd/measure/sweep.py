@@ -27,7 +27,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from mac_moesd.analysis.digest import second_context_points
+from mac_moesd.analysis.depth import extrapolate, second_context_points
 from mac_moesd.machine import memory
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import cache_copy, routing, timing
@@ -420,22 +420,6 @@ def kv_context_of(cfg: SweepConfig, entry: dict) -> int | None:
     return short
 
 
-def kv_in_use(entry: dict) -> dict:
-    """The second-context points the fit uses, each scaled by its grid point over the twin timed
-    beside it, so that what the machine did between the grid's session and theirs cancels."""
-    context = entry.get("kv_context")
-    if not context:
-        return {}
-    short = entry.get("kv_points", {}).get(str(context), {})
-    twins = entry.get("kv_twins", {}).get(str(context), {})
-    out = {}
-    for key, point in short.items():
-        if key in twins and key in entry.get("points", {}):
-            scale = entry["points"][key]["median_s"] / twins[key]["median_s"]
-            out[key] = {**point, "median_s": point["median_s"] * scale, "scaled_by_twin": scale}
-    return out
-
-
 def can_shorten(model, context: int) -> bool:
     """Whether every layer's cache, prefilled to ``context``, can be trimmed back to a shorter one:
     plain, quantized and concatenating KV caches can; a sliding window filled to its size, a
@@ -469,32 +453,6 @@ def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
     after = timing.measure({key: point}, cfg.budget, rng)[key]
     before = timing.Measurement.from_dict(entry["points"][key])
     return {"point": key, **timing.drift(before, after).to_dict()}
-
-
-# ---- extrapolation ----
-
-
-def extrapolate(small: dict, large: dict, n: int, full: int) -> dict:
-    """Full-depth points from slices of n and 2n layers: T = T_n + (T_2n - T_n) * (full - n) / n.
-
-    The estimate is a*T_n + b*T_2n; spreads combine as sqrt(a^2 s_n^2 + b^2 s_2n^2).
-    """
-    a, b = (2 * n - full) / n, (full - n) / n
-    out = {}
-    for key in small["points"].keys() & large["points"].keys():
-        s, l = small["points"][key], large["points"][key]
-        median = a * s["median_s"] + b * l["median_s"]
-        iqr = ((a * s["iqr_s"]) ** 2 + (b * l["iqr_s"]) ** 2) ** 0.5
-        out[key] = {
-            "median_s": median,
-            "iqr_s": iqr,
-            "cv": iqr / 1.349 / median if median > 0 else 0.0,  # IQR of a normal is 1.349 sd
-            "repeats": min(s["repeats"], l["repeats"]),
-            "extrapolated": True,
-        }
-        # Experts per MoE layer do not scale with depth: the deeper slice averages more layers.
-        out[key].update({k: l[k] for k in ("unique_experts", "pairs") if k in l})
-    return out
 
 
 # ---- the whole sweep ----

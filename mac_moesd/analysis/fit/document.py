@@ -9,7 +9,8 @@ import math
 import numpy as np
 
 from mac_moesd.analysis import cluster
-from mac_moesd.analysis.digest import Digest, full_depth_points
+from mac_moesd.analysis.depth import full_depth_points
+from mac_moesd.analysis.digest import Digest
 from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, FitInputs
 from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel, VariantFit, paper_comparison,
                                           peaks, predict, sparsity_sweep, verify_tokens)

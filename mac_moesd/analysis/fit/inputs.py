@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 
 from mac_moesd.analysis import cluster, expert_reads, theory
-from mac_moesd.analysis.digest import Digest, depth_entries, full_depth_points, second_context_points
+from mac_moesd.analysis.depth import depth_entries, full_depth_points, second_context_points
+from mac_moesd.analysis.digest import Digest
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine.chips import lookup_spec
 from mac_moesd.results import parse_point_key, point_key
