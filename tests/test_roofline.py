@@ -307,3 +307,15 @@ def test_shrinking_keeps_a_size_past_the_plateau_and_refuses_below_the_smallest(
     assert roofline.peak_bytes(cfg) == 2**30 and shrunk["plateau_reached"]
     with pytest.raises(roofline.BadInput, match="usable here"):
         roofline.fit_memory(full, 100 * MiB)
+
+
+def test_run_reads_the_one_size_schedule_and_help_lists_its_default():
+    # run: --quick the quick sizes (1, 16, 128 MiB); on the CPU backend those and 512 MiB; else
+    # the default's six, 1 MiB to 1 GiB by factors of 4
+    assert roofline.run_config("metal", True).sizes == (MiB, 16 * MiB, 128 * MiB)
+    assert roofline.run_config("cpu", False).sizes == (MiB, 16 * MiB, 128 * MiB, 512 * MiB)
+    assert roofline.run_config("metal", False).sizes == tuple(MiB * 4**i for i in range(6))
+    # the CLI does not import MLX to print its help, so it spells the default out: it must match
+    help_text = " ".join(CliRunner().invoke(cli, ["roofline", "--help"]).output.split())
+    assert "[default: 1,4,16,64,256,1024]" in help_text
+    assert roofline.SIZES == tuple(MiB * s for s in (1, 4, 16, 64, 256, 1024))

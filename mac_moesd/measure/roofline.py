@@ -29,15 +29,21 @@ from mac_moesd.machine import hardware, memory
 from mac_moesd.measure import kernels, timing
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput
+from mac_moesd.units import MiB, gib
 
-__all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "run_roofline", "weight_copies"]
+__all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "run_config", "run_roofline", "weight_copies"]
 
-MiB = 2**20
+# The STREAM sizes per array, the one schedule every command reads: the default's go from
+# cache-resident to far past the system-level cache; --quick takes three of that range; ``run`` on
+# MLX's CPU backend takes the quick sizes and one more far past a CPU's caches.
+SIZES = tuple(MiB * s for s in (1, 4, 16, 64, 256, 1024))
+QUICK_SIZES = (MiB, 16 * MiB, 128 * MiB)
+CPU_SIZES = (*QUICK_SIZES, 512 * MiB)
 
 
 @dataclass(frozen=True)
 class RooflineConfig:
-    sizes: tuple[int, ...] = tuple(MiB * s for s in (1, 4, 16, 64, 256, 1024))  # bytes per array
+    sizes: tuple[int, ...] = SIZES  # bytes per array
     gemv_bytes: int = 512 * MiB
     matmul_n: int = 4096
     qmm_shape: tuple[int, int] = (4096, 4096)  # (out, in) of the quantized weight
@@ -59,7 +65,7 @@ class RooflineConfig:
 
 
 QUICK = RooflineConfig(
-    sizes=(MiB, 16 * MiB, 128 * MiB),
+    sizes=QUICK_SIZES,
     gemv_bytes=128 * MiB,
     matmul_n=1024,
     qmm_shape=(2048, 2048),
@@ -68,6 +74,15 @@ QUICK = RooflineConfig(
     budget=timing.QUICK,
     fma_iterations=1024,
 )
+
+
+def run_config(backend: str, quick: bool) -> RooflineConfig:
+    """The roofline ``run`` measures: ``QUICK`` with --quick, else the default, with the CPU sizes
+    on MLX's CPU backend."""
+    if quick:
+        return QUICK
+    return RooflineConfig(sizes=CPU_SIZES) if backend == "cpu" else RooflineConfig()
+
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GEMV_COLS = 4096
@@ -189,8 +204,8 @@ def validate(cfg: RooflineConfig, available_bytes: int | None, cap_bytes: int | 
     need = peak_bytes(cfg, cap_bytes)
     if available_bytes is not None and need > available_bytes:
         raise BadInput(
-            f"the largest size needs {need / 2**30:.1f} GiB (two arrays and the outputs of its "
-            f"timed launches) but {available_bytes / 2**30:.1f} GiB is usable here; lower --max-size"
+            f"the largest size needs {gib(need)} (two arrays and the outputs of its "
+            f"timed launches) but {gib(available_bytes)} is usable here; lower --max-size"
         )
     if max(max(cfg.sizes), cap_bytes or 0) > 4 * kernels.MAX_ELEMENTS:
         raise BadInput("--sizes above 8 GiB are beyond the kernels' 32-bit element count")
