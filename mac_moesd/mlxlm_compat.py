@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["PRIVATE_NAMES", "TESTED_RANGE", "MlxLmIncompatible", "PrivateName", "cache_children",
+__all__ = ["CACHE_LAYOUTS", "PRIVATE_NAMES", "TESTED_RANGE", "MlxLmIncompatible", "PrivateName", "cache_children",
            "check_sorted_switch", "check_switch_call", "gather_sort", "in_tested_range", "incompatible",
            "installed_version", "missing_names", "model_classes", "scatter_unsort"]
 
@@ -208,16 +208,28 @@ def _cache_list_present() -> bool:
         return False
 
 
-def _cache_layouts_present() -> bool:
-    """Every cache class this mlx-lm has keeps the state layout ``cache_copy`` copies (a class it
-    no longer has cannot be met)."""
-    from mac_moesd.measure.cache_copy import LAYOUTS
+# The private state layout of each prompt-cache class (mlx_lm/models/cache.py), which
+# measure/cache_copy.py copies and rolls back. Each position of a class's ``state`` holds: "rows"
+# an array (or None) with the batch on axis 0, "quantized" a tuple of such arrays (packed values, scales, biases), "row list" a list of
+# them (ArraysCache's per-layer states), "setting" a number shared by every row.
+CACHE_LAYOUTS = {
+    "KVCache": ("rows", "rows", "setting"),  # keys, values, offset
+    "ConcatenateKVCache": ("rows", "rows"),  # keys, values
+    "QuantizedKVCache": ("quantized", "quantized", "setting", "setting", "setting"),  # + group_size, bits
+    "RotatingKVCache": ("rows", "rows", "setting", "setting", "setting", "setting"),  # + keep, max_size, _idx
+    "ChunkedKVCache": ("rows", "rows", "setting", "setting", "setting"),  # + chunk_size, start_position
+    "ArraysCache": ("row list", "rows", "rows"),  # states, left_padding, lengths
+}
 
+
+def _cache_layouts_present() -> bool:
+    """Every cache class this mlx-lm has keeps the state layout in ``CACHE_LAYOUTS`` (a class it
+    no longer has cannot be met)."""
     cache = importlib.import_module("mlx_lm.models.cache")
     settings = {"RotatingKVCache": {"max_size": 4}, "ChunkedKVCache": {"chunk_size": 4}, "ArraysCache": {"size": 1}}
     try:
         return all(len(getattr(cache, name)(**settings.get(name, {})).state) == len(layout)
-                   for name, layout in LAYOUTS.items() if hasattr(cache, name))
+                   for name, layout in CACHE_LAYOUTS.items() if hasattr(cache, name))
     except TypeError:  # a constructor that changed
         return False
 

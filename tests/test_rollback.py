@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, ConcatenateKVCache, KVCache,
                                  QuantizedKVCache, RotatingKVCache)
 
+from mac_moesd import mlxlm_compat
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.measure import cache_copy
 from mac_moesd.measure.sweep import RolledBackCache
@@ -129,6 +130,6 @@ def test_a_cache_class_it_does_not_know_is_refused():
 
 
 def test_a_cache_whose_state_layout_changed_is_refused(monkeypatch):
-    monkeypatch.setitem(cache_copy.LAYOUTS, "KVCache", ("rows", "rows"))
+    monkeypatch.setitem(mlxlm_compat.CACHE_LAYOUTS, "KVCache", ("rows", "rows"))
     with pytest.raises(MacMoesdError, match=r"needs mlx-lm >=0.32,<0.33 \(KVCache.state with 2 fields"):
         cache_copy.copy_cache(KVCache())

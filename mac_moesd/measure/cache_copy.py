@@ -4,7 +4,7 @@ A cache's ``state`` is a tuple laid out by its class (mlx_lm/models/cache.py). A
 array objects for every array in it, cut to the first B rows where asked (each per-sequence
 array holds the batch on axis 0), so a write into the copy (KVCache writes its buffers in
 place) never reaches the original, nor the original's into the copy. A ``CacheList`` is copied
-cache by cache. A class not listed in ``LAYOUTS``, or one whose state no longer has the listed
+cache by cache. A class not listed in ``mlxlm_compat.CACHE_LAYOUTS``, or one whose state no longer has the listed
 layout, is refused: a wrong copy would time another cache than the one asked for.
 """
 
@@ -18,22 +18,9 @@ import mlx.core as mx
 from mac_moesd import mlxlm_compat
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["LAYOUTS", "arrays", "can_shorten", "copy_cache", "offsets", "restore"]
+__all__ = ["arrays", "can_shorten", "copy_cache", "offsets", "restore"]
 
 CACHE_MODULE = "mlx_lm.models.cache"
-
-# What each position of a class's ``state`` holds: "rows" an array (or None) with the batch on
-# axis 0, "quantized" a tuple of such arrays (packed values, scales, biases), "row list" a list of
-# them (ArraysCache's per-layer states), "setting" a number shared by every row.
-LAYOUTS = {
-    "KVCache": ("rows", "rows", "setting"),  # keys, values, offset
-    "ConcatenateKVCache": ("rows", "rows"),  # keys, values
-    "QuantizedKVCache": ("quantized", "quantized", "setting", "setting", "setting"),  # + group_size, bits
-    "RotatingKVCache": ("rows", "rows", "setting", "setting", "setting", "setting"),  # + keep, max_size, _idx
-    "ChunkedKVCache": ("rows", "rows", "setting", "setting", "setting"),  # + chunk_size, start_position
-    "ArraysCache": ("row list", "rows", "rows"),  # states, left_padding, lengths
-}
-
 
 def _is_cache_list(cache) -> bool:
     return type(cache).__name__ == "CacheList" and type(cache).__module__ == CACHE_MODULE
@@ -41,10 +28,10 @@ def _is_cache_list(cache) -> bool:
 
 def _layout(cache) -> tuple[str, ...]:
     name = type(cache).__name__
-    layout = LAYOUTS.get(name) if type(cache).__module__ == CACHE_MODULE else None
+    layout = mlxlm_compat.CACHE_LAYOUTS.get(name) if type(cache).__module__ == CACHE_MODULE else None
     if layout is None:
         raise MacMoesdError(f"cannot copy or roll back a {name} cache: the sweep and SD loops know mlx-lm's "
-                            f"{', '.join(LAYOUTS)} and CacheList")
+                            f"{', '.join(mlxlm_compat.CACHE_LAYOUTS)} and CacheList")
     if len(cache.state) != len(layout):
         raise mlxlm_compat.incompatible("rolling back a KV cache", f"{name}.state with {len(layout)} fields")
     return layout
