@@ -24,13 +24,13 @@ from mlx_lm.models.cache import KVCache
 from mac_moesd.machine import hardware
 from mac_moesd.inputs import zoo
 from mac_moesd.errors import BadInput
+from mac_moesd.units import GiB, human_bytes
 
 __all__ = [
     "ENV_LIMIT", "GiB", "Usable", "activation_bytes", "init_transient_bytes", "kv_slots",
     "limit_bytes", "parse_vm_stat", "release", "usable", "usable_from", "working_set_bytes",
 ]
 
-GiB = 2**30
 ENV_LIMIT = "MAC_MOESD_MEMORY_LIMIT"
 # MLX's Metal allocator starts collecting its buffer cache at 0.95 x the recommended working set
 # (gc_limit_ in mlx/backend/metal/allocator.cpp): plan within that, not at the ceiling itself.
@@ -44,9 +44,7 @@ LOGIT_BYTES = 4  # logits counted in float32: the widest dtype mlx-lm models ret
 # ---- what is usable ----
 
 
-def human(nbytes: float) -> str:
-    """Bytes for a message: MiB below 1 GiB, so that a refusal never reads '0.1 needs 0.1'."""
-    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.0f} MiB"
+human = human_bytes  # the older name of ``units.human_bytes``, for callers not yet moved to it
 
 
 def parse_vm_stat(text: str) -> dict[str, int]:
@@ -355,11 +353,3 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
         "logits": logits_bytes(target.config, batch, 2 * gamma + 1) + rejection_bytes(vocab, batch, gamma),
     }
     return phases(**named)
-
-
-def roofline_estimate(cfg) -> dict:
-    """Peak of the roofline stage: its largest step as ``roofline.peak_bytes`` (the budget
-    ``roofline.validate`` enforces) counts it."""
-    from mac_moesd.measure import roofline
-
-    return phases(roofline={"largest step": roofline.peak_bytes(cfg)})

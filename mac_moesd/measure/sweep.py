@@ -29,6 +29,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from mac_moesd.analysis.depth import extrapolate, second_context_points
 from mac_moesd.machine import memory
+from mac_moesd.units import human_bytes
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import cache_copy, routing, timing
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
@@ -139,8 +140,8 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
     if not fits(plan[-1]):
         need = estimate_bytes(build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
         raise MacMoesdError(
-            f"{source.name} with {plan[-1]} layers needs about {memory.human(need)} but "
-            f"{memory.human(available)} is usable here; try --layers 1, --bits 4, "
+            f"{source.name} with {plan[-1]} layers needs about {human_bytes(need)} but "
+            f"{human_bytes(available)} is usable here; try --layers 1, --bits 4, "
             "a smaller --batch or --context, or a larger --memory-limit"
         )
     return plan
