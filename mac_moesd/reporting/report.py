@@ -245,10 +245,6 @@ def _routing(d: Digest, figures) -> list:
     return blocks + _figure(figures, "routing", "Unique experts per layer, measured against uniform N(t).")
 
 
-def _how(view) -> str:
-    return f"routing {view.routing}, gather {view.gather}"
-
-
 def _gather_gains(views: list, window: int) -> list[str]:
     """For each routing measured with both gathers: what sorting every gather does to a verify window."""
     lines = []
