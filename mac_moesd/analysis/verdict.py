@@ -162,9 +162,6 @@ def agreement(run: dict, predicted: float, heldout_mape: float | None) -> dict:
             "agrees": band[0] <= predicted <= band[1], "agreement_band": band}
 
 
-MEASURED_TERMS = ("plain step", "verify", "drafter steps", "acceptance")
-
-
 def differing_term(model: FittedModel, run: dict, context: float, alpha: float) -> dict | None:
     """Which part of the round differs most between the model's account and the timed run's own
     (``round``, timed in the SD stage): the plain step, the verify forward, the drafter's steps,
