@@ -255,7 +255,7 @@ PAIR_SECTIONS = ["### Verdict for this pair", "### What was measured",
 
 
 def check_pair_report(folder, target_name, draft_name, prompt_sets):
-    from mac_moesd.analysis import verdict
+    from mac_moesd.analysis import spec_runs, verdict
 
     data = json.loads((folder / "results.json").read_text())
     md = (folder / "report.md").read_text()
@@ -274,7 +274,7 @@ def check_pair_report(folder, target_name, draft_name, prompt_sets):
         # The verdict at batch 1 for each temperature, as the fitted model and the measured alpha say.
         doc = data["spec"][f"{target_name}|{draft_name}|real|{prompt_set}"]
         # The recommended configuration is always measured, and the verdict leads with it.
-        for row in verdict.verdict_rows(fitted, verdict.measured_acceptance(doc), doc["context"], runs=doc["runs"]):
+        for row in verdict.verdict_rows(fitted, spec_runs.measured_acceptance(doc), doc["context"], runs=doc["runs"]):
             if row["rule"] == "rejection":
                 continue
             assert "measured_speedup" in row, row

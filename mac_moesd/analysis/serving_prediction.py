@@ -1,7 +1,7 @@
 """What the suite's fitted model predicts for a server answering B concurrent requests.
 
 For each concurrency B, at the context the requests decode over (their mean prompt plus half the
-generated tokens, ``fit.decoding_context``):
+generated tokens, ``spec_runs.decoding_context``):
 - plain: B / T_T(B,1), the aggregate of a server that decodes all B requests in one batch;
 - SD batched, acceptance per row: S(B, gamma, alpha) times plain, a server that drafts for every
   request and verifies them in one batch, each row keeping its own accepted prefix (as
@@ -11,14 +11,14 @@ generated tokens, ``fit.decoding_context``):
   acceptance is about alpha^B: S(B, gamma, alpha^B) times plain.
 
 The acceptance comes from the server's own draft counters where it reports them, else from the
-suite's acceptance pass of the same pair on the same prompt set (``verdict.measured_acceptance``).
+suite's acceptance pass of the same pair on the same prompt set (``spec_runs.measured_acceptance``).
 """
 
 from __future__ import annotations
 
 from mac_moesd.analysis import acceptance as acceptance_module
-from mac_moesd.analysis.fit import FittedModel, decoding_context
-from mac_moesd.analysis.verdict import measured_acceptance
+from mac_moesd.analysis.fit import FittedModel
+from mac_moesd.analysis.spec_runs import decoding_context, measured_acceptance
 
 __all__ = ["acceptance_from_counters", "acceptance_from_spec", "crossover", "predicted_rows"]
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from mac_moesd.analysis import break_even, theory
-from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel, verify_tokens
+from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
-__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term",
-           "measured_acceptance", "round_cost", "timed_run", "verdict_rows"]
+__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term", "round_cost",
+           "timed_run", "verdict_rows"]
 
 GAMMAS = tuple(range(1, 9))
 TERMS = ("drafter cost", "verify cost", "acceptance")
@@ -80,38 +80,6 @@ def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, cont
         "verify_over_plain": cost.verify / cost.plain,
         "draft_step_over_plain": cost.draft / gamma / cost.plain,
     }
-
-
-def _pooled(summaries: list[dict]) -> dict:
-    """One alpha from several gammas' summaries: their solved alphas weighted by rounds."""
-    rounds = sum(x["rounds"] for x in summaries)
-    return {"alpha": sum(x["alpha"] * x["rounds"] for x in summaries) / rounds, "rounds": rounds,
-            "gammas": sorted({x["gamma"] for x in summaries})}
-
-
-def measured_acceptance(spec_doc: dict) -> list[dict]:
-    """Per temperature and acceptance rule, the alpha a real-mode SD run measured on its prompt set
-    (``{prompts, temperature, rule, alpha, rounds, gammas}``).
-
-    From the untimed pass over the whole set (``acceptance``) where the run made one: at
-    temperature 0 the greedy rule as run; above 0 both rules' expected acceptance, mlx-lm's
-    (the target's sampled token must equal the draft) and exact rejection sampling. Else from the
-    timed runs, as run. Alphas of several gammas are pooled, weighted by their rounds."""
-    prompts = (spec_doc.get("prompts") or {}).get("name") or "random token ids"
-    groups: dict[tuple[float, str], list[dict]] = {}
-    entries = spec_doc.get("acceptance") or []
-    for entry in entries:
-        rules = entry.get("rules") or {entry["rule_run"]: entry["measured"]}
-        for rule, stats in rules.items():
-            groups.setdefault((entry["temperature"], rule), []).append({**stats, "gamma": entry["gamma"]})
-    if not entries:
-        for run in spec_doc["runs"]:
-            if run.get("mode") == "real" and run.get("rounds"):
-                rule = "greedy" if run.get("temperature", 0) == 0 else "mlx-lm"
-                groups.setdefault((run.get("temperature", 0.0), rule), []).append(
-                    {"alpha": run["alpha"], "rounds": run["rounds"], "gamma": run["gamma"]})
-    return [{"prompts": prompts, "temperature": temperature, "rule": rule, **_pooled(summaries)}
-            for (temperature, rule), summaries in sorted(groups.items())]
 
 
 def verdict_rows(fit_doc: dict, acceptance: list[dict], context: int,

@@ -34,7 +34,7 @@ from mlx_lm.generate import generate_step, generation_stream, speculative_genera
 from mlx_lm.sample_utils import make_sampler
 
 from mac_moesd.analysis import acceptance
-from mac_moesd.analysis.fit import decoding_context, run_alpha
+from mac_moesd.analysis.spec_runs import decoding_context, measured_acceptance, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.machine import memory
@@ -415,8 +415,6 @@ def recommendations(cfg: SpecConfig, predictor, context: int, partial: dict) -> 
     recommend: the best gamma by ``predictor`` at each imposed alpha (emulated acceptance), or at
     each acceptance the pass measured on the prompt set as the verdict pools it (``partial``: the
     document's acceptance so far), at the document's context. Empty without a predictor."""
-    from mac_moesd.analysis.verdict import measured_acceptance
-
     if predictor is None or cfg.mode == "self-draft":
         return set()
     if cfg.mode == "emulated-acceptance":

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mac_moesd.analysis import fit as fit_module
-from mac_moesd.analysis import theory, verdict
+from mac_moesd.analysis import spec_runs, theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.measure.routing import prompts_label
 from mac_moesd.reporting.formatting import measured_speedup, plain_vs_sweep, precision_note, predicted_cells
@@ -205,7 +205,7 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     batches = tuple(sorted({1, max(p["spec_batches"])}))
     rows, lines = [], []
     for prompt_set, doc in docs.items():
-        accepted = verdict.measured_acceptance(doc)
+        accepted = spec_runs.measured_acceptance(doc)
         for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches, runs=doc["runs"]):
             run = verdict.timed_run(doc["runs"], row)
             if run is not None:

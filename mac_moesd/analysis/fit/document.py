@@ -15,6 +15,7 @@ from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, FitInputs
 from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel, VariantFit, paper_comparison,
                                           peaks, predict, sparsity_sweep, verify_tokens)
 from mac_moesd.analysis.fit.solve import regime
+from mac_moesd.analysis.spec_runs import decoding_context, run_alpha
 from mac_moesd.results import point_key
 
 __all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "run_alpha", "run_context",
@@ -109,24 +110,9 @@ def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
 # ---- readers of a stored fit ----
 
 
-def decoding_context(prompt: float, new_tokens: int) -> float:
-    """The context an SD run's forwards see on average: its prompt, plus half the tokens it
-    decodes (the cache grows by every one)."""
-    return prompt + new_tokens / 2
-
-
 def run_context(run: dict, doc: dict) -> float:
     """``decoding_context`` of one row of a stored spec document."""
     return decoding_context(run["context"] if "context" in run else doc["context"], doc.get("new_tokens", 0))
-
-
-def run_alpha(run: dict) -> float | None:
-    """The acceptance a timed SD run realised (alpha solved from its mean accepted draft tokens per
-    round), else its imposed alpha: a prediction set beside a measured speedup must use the
-    acceptance that speedup came from (emulated draws scatter around the imposed alpha: 0.59
-    realised for 0.70 in a 3-run, 32-token batch-1 check)."""
-    realised = run.get("measured_alpha")
-    return realised if realised is not None else run.get("alpha")
 
 
 def run_prediction(predictor, run: dict, doc: dict) -> float | None:
