@@ -29,6 +29,7 @@ from mac_moesd.machine import hardware, memory
 from mac_moesd.measure import kernels, timing
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput
+from mac_moesd.results import schema
 from mac_moesd.units import MiB, gib
 
 __all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "run_config", "run_roofline", "weight_copies"]
@@ -445,7 +446,7 @@ def ceiling_of(bandwidth: dict[str, float], gemv: dict[str, dict], plateau_from:
 def run_roofline(
     cfg: RooflineConfig, spec: dict | None, backend: str, progress=lambda label: None, seed: int = 0,
     usable_bytes: int | None = None, shrunk: dict | None = None,
-) -> dict:
+) -> schema.Roofline:
     """Measure everything and return the roofline document of docs/design.md §7.4; its memory
     entry is the estimate beside the measured peak (``memory.record``) and the wired limit, and
     ``shrunk`` what ``fit_memory`` changed to fit (None: ran as configured)."""

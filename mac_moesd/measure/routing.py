@@ -29,6 +29,7 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.results import schema
 from mac_moesd.measure import routing_trace
 from mac_moesd.measure.gather import check_sortable, sorted_switch_call
 
@@ -346,7 +347,7 @@ def prompt_rows(spec: str, tokenizer, vocab: int, length: int) -> tuple[list[lis
     return rows, how
 
 
-def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> dict:
+def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.RoutingDocument:
     """Route the token source through the model and count experts; the routing document."""
     from mac_moesd.inputs import models
 

@@ -20,7 +20,7 @@ from mac_moesd.analysis import serving_prediction as prediction
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
 from mac_moesd.measure import server_process, serving
-from mac_moesd.results import ResultsStore, load_results
+from mac_moesd.results import ResultsStore, load_results, schema
 
 __all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "run_serving", "validate"]
 
@@ -201,7 +201,7 @@ def prompt_set_label(prompt_set) -> str:
 
 
 def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
-                progress: Callable[[str], None] = lambda label: None) -> dict:
+                progress: Callable[[str], None] = lambda label: None) -> schema.ServingDocument:
     """Measure every leg into ``store`` (section ``serving``) and return the serving document."""
     validate(cfg)
     folder = store.path.parent

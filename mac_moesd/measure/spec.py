@@ -36,6 +36,7 @@ from mlx_lm.sample_utils import make_sampler
 from mac_moesd.analysis import acceptance
 from mac_moesd.analysis.spec_runs import decoding_context, measured_acceptance, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.results import schema
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
@@ -474,7 +475,7 @@ class ConfigurationTimer:
 
 
 def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None,
-             sweep_step: Callable[[int], float | None] | None = None) -> dict:
+             sweep_step: Callable[[int], float | None] | None = None) -> schema.SpecDocument:
     """Measure every (batch, temperature, gamma, alpha); ``predictor(batch, gamma, alpha,
     self_draft, context)`` gives the fitted model's speedup for the same configuration at this
     run's context, or None; ``sweep_step(batch)`` the sweep's pipelined T_T(B,1), or None. A

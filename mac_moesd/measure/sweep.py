@@ -34,7 +34,7 @@ from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import cache_copy, routing, timing
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.results import ResultsStore, parse_point_key, point_key
+from mac_moesd.results import ResultsStore, parse_point_key, point_key, schema
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
@@ -288,7 +288,7 @@ def recorded(kind: str, tokens: int, m: timing.Measurement, budget: timing.Budge
 
 
 def entry_header(built: models.Built, context: int, routing_label: str = "model",
-                 gather: str = "mlx-lm") -> dict:
+                 gather: str = "mlx-lm") -> schema.SweepEntry:
     """What a results entry records about the model it measured."""
     return {
         "model": built.source.name, "dtype": built.dtype, "bits": built.bits, "context": context,
