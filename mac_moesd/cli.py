@@ -1,92 +1,21 @@
-"""The `mac-moesd` command line: parse, call the library, print. Nothing else lives here."""
+"""The `mac-moesd` command line: each command parses its options, calls one function of
+``pipeline.commands`` and prints what it returns (stdout: the document; stderr: warnings and
+progress). Nothing else lives here."""
 
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
 
 import click
 
 from mac_moesd import __version__
-from mac_moesd.machine import blas
 from mac_moesd.analysis import theory
-from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.finite_json import finite_document
+from mac_moesd.cli_options import (NumberList, UrlPair, budget_options, cluster_options, dry_run_options, json_option,
+                                   memory_limit_option, out_option, precision_options, run_options, with_options)
+from mac_moesd.console import Cli, ProgressBar, emit, finish_run, warn
+from mac_moesd.errors import MacMoesdError
 from mac_moesd.reporting.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
-
-
-class NumberList(click.ParamType):
-    """A comma-separated list of numbers, e.g. ``1,2,4``, each checked against a lower bound."""
-
-    def __init__(self, kind: type = int, minimum: float | None = None, open_min: bool = False):
-        self.kind = kind
-        self.minimum = minimum
-        self.open_min = open_min
-        self.name = f"{kind.__name__}-list"
-
-    def convert(self, value: Any, param, ctx) -> tuple:
-        if isinstance(value, tuple):
-            return value
-        items = [v.strip() for v in str(value).split(",")]
-        try:
-            numbers = tuple(self.kind(v) for v in items)
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of {self.kind.__name__}s", param, ctx)
-        if not numbers:
-            self.fail("the list is empty", param, ctx)
-        if self.minimum is not None:
-            bad = [n for n in numbers if n < self.minimum or (self.open_min and n == self.minimum)]
-            if bad:
-                relation = ">" if self.open_min else ">="
-                self.fail(f"{bad[0]} is not {relation} {self.minimum}", param, ctx)
-        return numbers
-
-
-class Cli(click.Group):
-    """A group whose errors are one line on stderr: usage errors exit 2, runtime errors exit 1."""
-
-    def main(self, args=None, prog_name=None, **extra):
-        extra.pop("standalone_mode", None)
-        try:
-            return super().main(args, prog_name or "mac-moesd", standalone_mode=False, **extra)
-        except click.UsageError as err:
-            where = f" (see '{err.ctx.command_path} --help')" if err.ctx else ""
-            click.echo(f"Error: {err.format_message()}{where}", err=True)
-            sys.exit(2)
-        except click.exceptions.Exit as err:
-            sys.exit(err.exit_code)
-        except click.Abort:  # Ctrl-C, as click reports it
-            click.echo("Interrupted; results written so far are kept: rerun the same command to resume.",
-                       err=True)
-            sys.exit(130)
-        except click.ClickException as err:
-            click.echo(f"Error: {err.format_message()}", err=True)
-            sys.exit(err.exit_code)
-        except MacMoesdError as err:
-            click.echo(f"Error: {err}", err=True)
-            sys.exit(2 if isinstance(err, BadInput) else 1)
-        except KeyboardInterrupt:
-            click.echo("Interrupted; results written so far are kept: rerun the same command to resume.",
-                       err=True)
-            sys.exit(130)
-
-
-def emit(document: dict, as_json: bool, render: Callable[[dict], str]) -> None:
-    """Print ``document`` as one JSON document, or as the human rendering."""
-    if as_json:
-        click.echo(json.dumps(finite_document(document), indent=2, allow_nan=False))
-    else:
-        click.echo(render(document))
-
-
-def warn(message: str) -> None:
-    click.secho(f"warning: {message}", fg="yellow", err=True)
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,18 +28,9 @@ def cli() -> None:
 @json_option
 def info(as_json: bool) -> None:
     """Chip, backend, memory, published specs and versions."""
-    from mac_moesd.machine import hardware, memory, metadata
+    from mac_moesd.pipeline import commands
 
-    machine = hardware.detect()
-    document = machine.to_dict()
-    document["usable_memory"] = memory.usable(memory.limit_bytes(None)).to_dict()
-    document["blas"] = blas.describe(machine.backend)
-    document["versions"] = metadata.versions()
-    if document["blas"]["warning"]:
-        warn(document["blas"]["warning"])
-    for message in machine.warnings:
-        warn(message)
-    emit(document, as_json, render_info)
+    emit(commands.info(warn), as_json, render_info)
 
 
 @cli.command(name="theory")
@@ -147,92 +67,6 @@ def zoo_command(as_json: bool) -> None:
     emit({"models": models.describe_zoo()}, as_json, render_zoo)
 
 
-budget_options = [
-    click.option("--quick", is_flag=True, help="Small time budget per point (for a first look)."),
-    click.option("--seconds-per-point", type=click.FloatRange(0, min_open=True), default=None,
-                 help="Time budget per grid point [default: 2, or 0.5 with --quick]."),
-    click.option("--decode-chain", type=click.IntRange(min=2), default=None, metavar="N",
-                 help="Forwards per pipelined sample of the one-token points, as a decode loop "
-                      "chains them; longer chains spread the chain's fixed cost as a long "
-                      "generation does [default: 32]."),
-]
-
-
-def with_options(options):
-    def decorate(f):
-        for option in reversed(options):
-            f = option(f)
-        return f
-
-    return decorate
-
-
-def budget_from(quick: bool, seconds: float | None, decode_chain: int | None = None):
-    from mac_moesd.measure import timing
-
-    budget = timing.QUICK if quick else timing.Budget()
-    if seconds is not None:
-        budget = replace(budget, seconds_per_point=seconds)
-    return budget if decode_chain is None else replace(budget, decode_chain=decode_chain)
-
-
-memory_limit_option = click.option(
-    "--memory-limit", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
-    help="Cap usable memory at this many GiB (or set MAC_MOESD_MEMORY_LIMIT); guards, slicing "
-         "and skipping then plan within it.")
-
-
-def usable_memory(limit_gib: float | None):
-    """Usable memory now (the smaller of the ceiling and free memory, less a margin), capped."""
-    from mac_moesd.machine import memory
-
-    return memory.usable(memory.limit_bytes(limit_gib))
-
-
-def out_option(default_help: str = "reports/<chip-slug>"):
-    return click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-                        help=f"Folder for results.json [default: {default_help}].")
-
-
-class ProgressBar:
-    """The sweep's progress on stderr (never stdout, which --json keeps for the document)."""
-
-    def __init__(self, label: str):
-        self.label = label
-        self.bar = None
-
-    def expect(self, points: int) -> None:
-        self.close()  # a new stage of the same command starts a new bar
-        self.bar = click.progressbar(length=points, label=self.label, file=sys.stderr,
-                                     show_eta=True, item_show_func=lambda item: item)
-        self.bar.__enter__()
-
-    def advance(self, label: str) -> None:
-        if self.bar is not None:
-            self.bar.update(1, label)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
-
-
-def open_store(out: Path | None, per_chip: bool = False):
-    """The machine, the run's metadata and the results store in ``out`` (default
-    reports/<chip-slug>; with ``per_chip``, ``out``/<chip-slug>)."""
-    from mac_moesd.machine import hardware, metadata
-    from mac_moesd.results import ResultsStore
-
-    machine = hardware.detect()
-    meta = metadata.collect(machine)
-    if meta["blas"]["warning"]:
-        warn(meta["blas"]["warning"])
-    for message in machine.warnings:
-        warn(message)
-    folder = (out or Path("reports")) / machine.slug if per_chip or out is None else out
-    return machine, meta, ResultsStore(folder / "results.json", meta)
-
-
 @cli.command(name="sweep")
 @click.argument("model")
 @click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4,8,16,32",
@@ -264,11 +98,7 @@ def open_store(out: Path | None, per_chip: bool = False):
 @with_options(budget_options)
 @memory_limit_option
 @out_option()
-@click.option("--parallel", type=click.Choice(["pipeline", "tensor", "expert"]), default=None,
-              help="Under mlx.launch: shard the model over its ranks this way [default: one machine].")
-@click.option("--rank-timeout", type=click.FloatRange(0, min_open=True), default=None, metavar="S",
-              help="With --parallel: seconds a rank waits for the others at any step, loading "
-                   "included, before all exit [default: 300].")
+@with_options(cluster_options)
 @json_option
 def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dtype, draft, gamma, routing, gather,
                   quick, seconds_per_point, decode_chain, memory_limit, out, parallel, rank_timeout,
@@ -278,51 +108,24 @@ def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dty
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
     a config.json, or a Hugging Face repo id already in the local cache.
     """
-    from mac_moesd.machine import hardware
-    from mac_moesd.measure.sweep import SweepConfig, run_sweep, validate
+    from mac_moesd.measure.sweep import SweepConfig, validate
+    from mac_moesd.pipeline import commands
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
                       dtype=dtype, bits=int(bits) if bits else None, layers=layers, draft=draft,
-                      gamma=gamma, budget=budget_from(quick, seconds_per_point, decode_chain),
+                      gamma=gamma, budget=commands.budget_from(quick, seconds_per_point, decode_chain),
                       routing=routing, gather=gather, kv_context=kv_context)
     validate(cfg)
     if rank_timeout is not None and not parallel:
         raise click.UsageError("--rank-timeout goes with --parallel")
     if parallel:
-        cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, as_json)
+        with ProgressBar(f"sweep {cfg.model} ({parallel} parallel)") as progress:
+            document = commands.cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, progress, warn)
+        if document is not None:  # only rank 0 prints
+            emit(document, as_json, render_sweep)
         return
-    usable = usable_memory(memory_limit)
-    machine, meta, store = open_store(out)
-    progress = ProgressBar(f"sweep {model}")
-    try:
-        with hardware.measuring_stage():
-            document = run_sweep(cfg, store, usable.usable_bytes, progress)
-    finally:
-        progress.close()
-    document["meta"] = meta
-    document["results_file"] = str(store.path)
-    for message in document["warnings"]:
-        warn(message)
-    emit(document, as_json, render_sweep)
-
-
-def cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, as_json) -> None:
-    """The sweep of a model sharded over the ranks of mlx.launch; only rank 0 prints."""
-    from mac_moesd.machine import memory
-    from mac_moesd.measure import distributed
-
-    progress = ProgressBar(f"sweep {cfg.model} ({parallel} parallel)")
-    try:
-        document = distributed.run_cluster_sweep(cfg, parallel, out, memory.limit_bytes(memory_limit),
-                                                 rank_timeout or distributed.DEFAULT_TIMEOUT_S, progress)
-    finally:
-        progress.close()
-    if document is None:
-        return
-    meta = document["meta"]
-    for message in [meta["blas"]["warning"], *meta["warnings"], *document["warnings"]]:
-        if message:
-            warn(message)
+    with ProgressBar(f"sweep {model}") as progress:
+        document = commands.run_sweep(cfg, out, memory_limit, progress, warn)
     emit(document, as_json, render_sweep)
 
 
@@ -337,38 +140,10 @@ def cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, as_json) -> No
 @json_option
 def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None:
     """Measured bandwidth and FLOPS, the ridge point, and the chip's spec beside them."""
-    from mac_moesd.measure import roofline
+    from mac_moesd.pipeline import commands
 
-    cfg = roofline.QUICK if quick else roofline.RooflineConfig()
-    if sizes:
-        if min(sizes) < 1 / 64:
-            raise BadInput("--sizes must be at least 1/64 MiB each")
-        cfg = replace(cfg, sizes=roofline.sizes_from_mib(sizes))
-    cap = None
-    if max_size:
-        cap = roofline.sizes_from_mib((max_size,))[0]
-        cfg = replace(cfg, sizes=tuple(s for s in cfg.sizes if s <= cap) or (cap,))
-    usable = usable_memory(memory_limit)
-    machine, meta, store = open_store(out)
-    roofline.validate(cfg, usable.usable_bytes, cap)
-    spec = machine.to_dict()["spec"]
-    steps = len(cfg.sizes) + 4 + len(cfg.dtypes) + 2
-    progress = ProgressBar("roofline")
-    progress.expect(steps)
-    from mac_moesd.machine import memory
-
-    memory.start_stage()
-    try:
-        document = roofline.run_roofline(cfg, spec, machine.backend, progress.advance,
-                                         usable_bytes=usable.usable_bytes)
-    finally:
-        progress.close()
-    store.data["roofline"] = document
-    store.save()
-    document["meta"] = meta
-    document["results_file"] = str(store.path)
-    if document["kernels"]["path"] != "metal":
-        warn(document["kernels"]["note"])
+    with ProgressBar("roofline") as progress:
+        document = commands.run_roofline(quick, sizes, max_size, memory_limit, out, progress, warn)
     emit(document, as_json, render_roofline)
 
 
@@ -395,19 +170,12 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
 def routing_command(model, text, batches, tokens, length, layers, tau, save_trace, memory_limit, out,
                     as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
-    from mac_moesd.machine import hardware
-    from mac_moesd.measure.routing import RoutingConfig, run_routing
+    from mac_moesd.measure.routing import RoutingConfig
+    from mac_moesd.pipeline import commands
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
                         layers=layers, tau=tau, save_trace=save_trace)
-    usable = usable_memory(memory_limit)
-    machine, meta, store = open_store(out)
-    with hardware.measuring_stage():
-        document = run_routing(cfg, usable.usable_bytes)
-    store.put("routing", f"{document['model']}|{document['text']}", document)
-    document["meta"] = meta
-    document["results_file"] = str(store.path)
-    emit(document, as_json, render_routing)
+    emit(commands.run_routing(cfg, memory_limit, out, warn), as_json, render_routing)
 
 
 @cli.command(name="fit")
@@ -424,45 +192,11 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 
     RESULTS is a results.json or the folder holding it.
     """
-    from mac_moesd.results import ResultsBusy, WriterLock
+    from mac_moesd.pipeline import commands
 
     if alpha and any(a >= 1 for a in alpha):
         raise click.BadParameter(f"{max(alpha)} is not in (0, 1)", param_hint="'--alpha'")
-    path = results / "results.json" if results.is_dir() else results
-    lock = busy = None
-    if path.exists():
-        try:  # before reading: the fit is written back into what was read
-            lock = WriterLock.take(path)
-        except ResultsBusy as err:
-            busy = (f"another mac-moesd process ({err.holder or 'unknown'}) is writing {path}; rerun "
-                    "`mac-moesd fit` when it has finished")
-        except MacMoesdError as err:  # its folder is read-only
-            busy = str(err)
-    try:
-        _fit_into(path, busy, model, alpha, verify_tokens, as_json)
-    finally:
-        if lock is not None:
-            WriterLock.release(lock)
-
-
-def _fit_into(path, busy, model, alpha, verify_tokens, as_json) -> None:
-    from mac_moesd.analysis import fit
-    from mac_moesd.results import load_results, write_atomic
-
-    data = load_results(path)
-    inputs = fit.inputs_from_results(data, model, verify_tokens)
-    if inputs.ridge is not None and "no roofline" in inputs.ridge_source:
-        warn(f"ridge and bandwidth from the {inputs.ridge_source}")
-    for what in inputs.missing:
-        warn(what)
-    result = fit.fit(inputs)
-    document = fit.fit_document(result, alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alpha or ()))))
-    if busy is None:
-        data.setdefault("fits", {})[document["model"]] = document
-        write_atomic(path, data)
-    else:
-        warn(f"the fit was not saved: {busy}")
-    emit(document, as_json, render_fit)
+    emit(commands.fit_results(results, model, alpha, verify_tokens, warn), as_json, render_fit)
 
 
 @cli.command(name="spec")
@@ -481,13 +215,7 @@ def _fit_into(path, busy, model, alpha, verify_tokens, as_json) -> None:
               help="Prompt tokens of random ids (random-weight models; real prompts set their own).")
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens each sequence generates per timed run.")
-@click.option("--repeats", type=click.IntRange(min=1), default=8, show_default=True,
-              help="The fewest (plain, SD) pairs per configuration.")
-@click.option("--precision", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.03,
-              show_default=True, help="Add pairs until the 95% CI of the median speedup is within "
-                                      "+-this fraction of it...")
-@click.option("--budget", "budget_s", type=click.FloatRange(0, min_open=True), default=120.0,
-              show_default=True, help="...or this many seconds of the configuration are spent.")
+@with_options(precision_options)
 @click.option("--prompts", default=None,
               help="code, chat (built-in sets) or FILE (text: blank-line-separated prompts; "
                    ".jsonl: a 'prompt' field per line), through the model's tokenizer and chat "
@@ -507,48 +235,14 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     (per draft position, mean accepted length, sigma, alpha; at temperature > 0 under mlx-lm's
     rule and exact rejection sampling) and, at temperature 0, whether SD output equals greedy.
     """
-    from mac_moesd.analysis import fit
-    from mac_moesd.machine import hardware
-    from mac_moesd.measure.spec import SpecConfig, run_spec
+    from mac_moesd.measure.spec import SpecConfig
+    from mac_moesd.pipeline import commands
 
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
                      precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
                      max_prompts=max_prompts)
-    usable = usable_memory(memory_limit)
-    machine, meta, store = open_store(out)
-    from mac_moesd.inputs import models
-
-    fitted = store.data.get("fits", {}).get(models.resolve(target).name)
-    if fitted is None:
-        warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
-    predictor = fit.speedup_predictor(fitted) if fitted else None
-    if fitted is not None and predictor is None:
-        warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
-             "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")
-    with hardware.measuring_stage():
-        document = run_spec(cfg, predictor, usable.usable_bytes,
-                            fit.sweep_plain_step(store.data, models.resolve(target).name))
-    key = f"{document['target']}|{document['draft']}|{mode}"
-    if document["prompts"]["count"]:
-        key += f"|{document['prompts']['name']}"
-    store.put("spec", key, document)
-    document["meta"] = meta
-    emit(document, as_json, render_spec)
-
-
-class UrlPair(click.ParamType):
-    """NAME=URL of a running OpenAI-compatible server."""
-
-    name = "NAME=URL"
-
-    def convert(self, value: Any, param, ctx) -> tuple:
-        if isinstance(value, tuple):
-            return value
-        name, sep, url = str(value).partition("=")
-        if not sep or not name.strip() or not url.strip():
-            self.fail(f"{value!r} is not NAME=URL (e.g. plain=http://127.0.0.1:8080)", param, ctx)
-        return name.strip(), url.strip().rstrip("/")
+    emit(commands.run_spec(cfg, memory_limit, out, warn), as_json, render_spec)
 
 
 @cli.command(name="serving")
@@ -585,7 +279,8 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
     mlx_lm.server is launched on 127.0.0.1 once plain and once with --draft, and stopped at the
     end. With --url NAME=URL (e.g. plain=... sd=...) running servers are measured as configured.
     """
-    from mac_moesd.measure.serving_stage import ServingConfig, run_serving
+    from mac_moesd.measure.serving_stage import ServingConfig
+    from mac_moesd.pipeline import commands
     from mac_moesd.reporting.serving_section import render_serving
 
     if draft and not target:
@@ -594,18 +289,8 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
                         prompts=tuple(p.strip() for p in prompts.split(",") if p.strip()), window_s=window,
                         warmup_s=warmup, shared_prefix=shared_prefix, urls=tuple(urls), fit=fit,
                         request_timeout_s=request_timeout)
-    machine, meta, store = open_store(out)
-    progress = ProgressBar("serving")
-    servers = len(urls) or (2 if draft else 1)
-    progress.expect(servers * (len(concurrency) * len(cfg.prompts) + (0 if urls else 1)))
-    try:
-        document = run_serving(cfg, store, machine.backend, progress.advance)
-    finally:
-        progress.close()
-    for message in document["notes"]:
-        warn(message)
-    document["meta"] = meta
-    document["results_file"] = str(store.path)
+    with ProgressBar("serving") as progress:
+        document = commands.run_serving(cfg, out, progress, warn)
     emit(document, as_json, render_serving)
 
 
@@ -627,16 +312,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
 @memory_limit_option
 @click.option("--dry-run", is_flag=True,
               help="Allocate nothing: print each stage's models, slices, grid, peak memory and ETA.")
-@click.option("--chip", default=None,
-              help="With --dry-run: plan for this chip of the table, e.g. 'Apple M1', 'Apple M3 Pro 18c'.")
-@click.option("--memory", "memory_gib", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
-              help="With --dry-run: the machine's RAM in GiB (required with --chip).")
-@click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --dry-run: plan each MoE sweep sharded over this many such machines.")
-@click.option("--parallel", type=click.Choice(["pipeline", "tensor", "expert"]), default="tensor",
-              show_default=True, help="With --ranks: how the model is split.")
-@click.option("--link-gbps", type=click.FloatRange(0, min_open=True), default=None,
-              help="With --ranks: link between machines in Gb/s [default: 80, Thunderbolt 5].")
+@with_options(dry_run_options)
 @click.option("--serving", is_flag=True,
               help="Also measure mlx_lm.server on the pair at several concurrencies (see `mac-moesd serving`).")
 @json_option
@@ -652,162 +328,18 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
     Exit status: 0 when every stage ran; 3 when some were skipped (the report is written and
     says why); 1 when nothing could be measured.
     """
-    from mac_moesd.reporting import report
-    from mac_moesd import pair
-    from mac_moesd import run as runner
+    from mac_moesd.pipeline import commands
 
-    if quick and full:
-        raise click.UsageError("--quick and --full exclude each other")
-    if (chip or memory_gib) and not dry_run:
-        raise click.UsageError("--chip and --memory describe another machine: use them with --dry-run")
-    if bool(target) != bool(draft):
-        raise click.UsageError("--target and --draft go together")
-    if target and (models or full):
-        raise click.UsageError("--target/--draft measure your own pair; --models and --full choose zoo models")
-    if prompt_sets is not None and (models or full):
-        raise click.UsageError("--prompts goes with a pair (--target/--draft), not with --models or --full")
-    sets = tuple(p.strip() for p in (prompt_sets or ",".join(pair.PROMPT_SETS)).split(",") if p.strip())
-    if not sets:
-        raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
-    if ranks > 1 and not dry_run:
-        raise click.UsageError("--ranks plans a cluster with --dry-run; measure one with "
-                               "`mlx.launch -n N -- mac-moesd sweep MODEL --parallel MODE`")
+    options = run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks, serving)
     if dry_run:
         cluster = (ranks, parallel, link_gbps) if ranks > 1 else None
-        document = dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target, draft,
-                                    cluster, serving)
-        emit(document, as_json, render_plan)
+        emit(commands.dry_run(options, out, memory_limit, chip, memory_gib, cluster), as_json, render_plan)
         return
-    limit = memory_limit_bytes(memory_limit)
-    machine, meta, store = open_store(out, per_chip=True)
-    from mac_moesd.measure import serving_stage
-
-    serving_cfg = serving_stage.stage_config(quick) if serving else None
-    chosen = None
-    if target:
-        chosen = pair.pair_plan(machine.backend, quick, target, draft, sets)
-    elif machine.backend == "cpu" and prompt_sets is not None:
-        raise click.UsageError("--prompts needs --target and --draft here (the cached-pair search runs on "
-                               "a GPU only)")
-    elif machine.backend != "cpu" and not models and not full:
-        chosen, search = pair.find_default_pair(machine.backend, quick,
-                                                usable_memory(memory_limit).usable_bytes, sets)
-        store.put("pair_search", "latest", search.to_dict())
-        if chosen is None:
-            warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
-                 "models (the report says so)")
-    if chosen is not None:
-        stages = [*pair.stage_labels(chosen, serving), "report"]
-        measure = lambda stage, advance: pair.run_pair(  # noqa: E731
-            chosen, store, machine, machine.to_dict()["spec"], stage, advance, limit, serving_cfg)
-    else:
-        plan = runner.default_plan(machine.backend, quick, full)
-        if models:
-            plan = runner.with_models(plan, tuple(m.strip() for m in models.split(",") if m.strip()))
-        stages = [*runner.stage_labels(plan, serving), "report"]
-        measure = lambda stage, advance: runner.run_all(  # noqa: E731
-            plan, store, machine, machine.to_dict()["spec"], stage, advance, limit, serving_cfg)
-    bar = click.progressbar(length=len(stages), label="run", file=sys.stderr, show_eta=True,
-                            item_show_func=lambda item: item)
-    with bar:
-        def stage(label):
-            if stage.started:
-                bar.update(1)
-            stage.started = True
-            bar.label = f"run [{stages.index(label) + 1}/{len(stages)}]"
-            bar.render_progress()
-            bar.current_item = label
-
-        stage.started = False
-        outcome = measure(stage, lambda label: setattr(bar, "current_item", label) or bar.render_progress())
-        stage("report")
-        paths = report.write_report(store.data, store.path.parent)
-        bar.update(1)
-    for label, reason in outcome.skipped.items():
-        warn(f"skipped {label}: {reason}")
-    for message in outcome.warnings:
-        warn(message)
-    if as_json:
-        emit({"results": str(store.path.resolve()), "report": {k: str(v.resolve()) for k, v in paths.items()},
-              "skipped": dict(outcome.skipped), "exit_status": outcome.exit_status}, True, str)
-    else:
-        click.echo(f"report: {paths['markdown']}")
-        click.echo(f"        {paths['html']}")
-    if outcome.exit_status:
-        what = "nothing could be measured" if outcome.exit_status == 1 else \
-            f"{len(outcome.skipped)} stage(s) skipped"
-        click.echo(f"{what}; the report says what is missing and why", err=True)
-        sys.exit(outcome.exit_status)
-
-
-def memory_limit_bytes(limit_gib: float | None) -> int | None:
-    from mac_moesd.machine import memory
-
-    return memory.limit_bytes(limit_gib)
-
-
-def dry_run_document(quick, full, models, out, memory_limit, chip, memory_gib, target=None,
-                     draft=None, cluster=None, serving=False) -> dict:
-    """The plan of ``run`` for this machine, or for --chip with --memory GiB; nothing allocated.
-    ``cluster`` (ranks, parallel, link Gb/s): the sharded sweeps over that many such machines;
-    ``serving``: with the serving stage."""
-    from mac_moesd.machine import hardware, memory
-    from mac_moesd import pair, plan
-    from mac_moesd import run as runner
-
-    limit = memory.limit_bytes(memory_limit)
-    if chip:
-        if memory_gib is None:
-            raise click.UsageError("--chip needs --memory GiB (the Mac's RAM)")
-        spec = plan.parse_chip(chip)
-        backend, name = "metal", f"{spec.name} {spec.gpu_cores}c"
-        total = int(memory_gib * memory.GiB)
-        ceiling = memory.working_set_bytes(total)
-        usable = memory.usable_from(ceiling, None, limit,
-                                    "working set of a Mac with this RAM (2/3 of it up to 32 GiB, 3/4 above; "
-                                    "docs/design.md §5); "
-                                    "nothing else assumed running")
-        rates = plan.chip_rates(spec)
-    else:
-        machine = hardware.detect()
-        backend, name, total = machine.backend, machine.chip, machine.memory_bytes
-        if memory_gib is not None:
-            total = int(memory_gib * memory.GiB)
-            ceiling = memory.working_set_bytes(total) if backend == "metal" else total
-            usable = memory.usable_from(ceiling, None, limit, "--memory")
-        else:
-            usable = memory.usable(limit)
-        rates = plan.measured_rates((out or Path("reports")) / machine.slug / "results.json")
-        if rates is None and machine.spec is not None:
-            rates = plan.chip_rates(machine.spec)
-    found = None
-    if target:
-        found = pair.pair_plan(backend, quick, target, draft)
-    elif not chip and backend != "cpu" and not models and not full:
-        found, _ = pair.find_default_pair(backend, quick, usable.usable_bytes)  # as `run` would
-    chosen = found.base if found else runner.default_plan(backend, quick, full)
-    if models:
-        chosen = runner.with_models(chosen, tuple(m.strip() for m in models.split(",") if m.strip()))
-    if cluster:
-        from mac_moesd import plan_cluster
-
-        ranks, parallel, link = cluster
-        return plan_cluster.dry_run_cluster(chosen, backend, name, total, usable, rates, ranks, parallel,
-                                            link or plan_cluster.LINK_GBPS)
-    document = plan.dry_run(chosen, backend, name, total, usable, rates, pair=None if models else found)
-    if found is not None:
-        document["pair"] = {"target": found.target, "draft": found.draft, "found": found.found}
-    if serving:
-        from mac_moesd.measure import serving_stage
-
-        serving_stage.add_to_plan(document, found, quick, backend)
-    return document
-
-
-def hardware_slug() -> str:
-    from mac_moesd.machine import hardware
-
-    return hardware.detect().slug
+    with ProgressBar("run") as progress:
+        done = commands.run(options, out, memory_limit, progress, warn)
+    status = finish_run(done, as_json)
+    if status:
+        sys.exit(status)
 
 
 @cli.command(name="report")
@@ -818,12 +350,9 @@ def report_command(folder) -> None:
 
     FOLDER defaults to reports/<this chip's slug>.
     """
-    from mac_moesd.reporting import report
-    from mac_moesd.results import load_results
+    from mac_moesd.pipeline import commands
 
-    folder = folder or Path("reports") / hardware_slug()
-    data = load_results(folder / "results.json")
-    paths = report.write_report(data, folder)
+    paths = commands.report(folder)
     click.echo(f"report: {paths['markdown']}")
     click.echo(f"        {paths['html']}")
 
@@ -837,14 +366,9 @@ def report_command(folder) -> None:
 @json_option
 def compare_command(folders, reference, out, as_json) -> None:
     """Several chips' results side by side: bandwidth, FLOPS, ridge, batch-1 speedup."""
-    from mac_moesd.reporting import compare
+    from mac_moesd.pipeline import commands
 
-    document = compare.compare(list(folders), reference)
-    figures = compare.draw(document, out)
-    document["figures"] = {k: str(v) for k, v in figures.items()}
-    for row in document["machines"]:
-        row.pop("curves")
-    emit(document, as_json, render_compare)
+    emit(commands.compare(list(folders), reference, out), as_json, render_compare)
 
 
 @cli.command(name="selftest")
@@ -852,17 +376,9 @@ def compare_command(folders, reference, out, as_json) -> None:
 def selftest_command(as_json: bool) -> None:
     """Check this machine first (under a minute): each kernel against its reference, K-launch
     timing, the memory guard and results files. Attach the output to a bug report."""
-    from mac_moesd.machine import hardware, metadata
-    from mac_moesd.measure import selftest
+    from mac_moesd.pipeline import commands
 
-    machine = hardware.detect()
-    for message in machine.warnings:
-        warn(message)
-    outcomes = selftest.run()
-    document = {"chip": machine.chip, "backend": machine.backend, "os": machine.os,
-                "versions": metadata.versions(), "warnings": machine.warnings,
-                "passed": all(o.status != "FAIL" for o in outcomes),
-                "checks": [o.to_dict() for o in outcomes]}
+    document = commands.check_machine(warn)
     emit(document, as_json, render_selftest)
     if not document["passed"]:
         sys.exit(1)

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from pairs_helpers import qwen2_pair
 
-from mac_moesd import pair, plan
+from mac_moesd.pipeline import estimate, pair_stages, plans
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models, pairs, zoo
@@ -44,32 +44,32 @@ def test_the_default_run_takes_the_first_cached_pair_that_fits(tmp_path, monkeyp
              pairs.KnownPair("org/moe", "org/draft", ""))
     monkeypatch.setattr(pairs, "KNOWN_PAIRS", known)
     monkeypatch.setattr(pairs.find_cached_pair, "__defaults__", (known,))
-    base = pair.runner.default_plan("metal", quick=True)
+    base = plans.default_plan("metal", quick=True)
     small, big = spec_peak(base, "org/moe", "org/draft"), spec_peak(base, "org/big-moe", "org/big-draft")
     assert small < big
-    plan, search = pair.find_default_pair("metal", True, usable_bytes=(small + big) // 2)
+    plan, search = plans.find_default_pair("metal", True, usable_bytes=(small + big) // 2)
     assert (plan.target, plan.draft) == ("org/moe", "org/draft")
     assert plan.found.startswith(f"found in the Hugging Face cache at {tmp_path / 'hub'}")
     assert search.passed_over["org/absent-moe + org/draft"] == "not in the cache: org/absent-moe"
     assert "for SD at full depth" in search.passed_over["org/big-moe + org/big-draft"]
     assert plan.base.bits is None and plan.base.dense is None  # weights as stored, no dense control
 
-    plan, search = pair.find_default_pair("metal", True, usable_bytes=small // 2)
+    plan, search = plans.find_default_pair("metal", True, usable_bytes=small // 2)
     assert plan is None and search.to_dict()["target"] is None
 
 
 def test_a_pair_plan_refuses_what_it_cannot_measure(own_pair):
     target, draft = own_pair
     with pytest.raises(BadInput, match="is not an MoE model"):
-        pair.pair_plan("cpu", True, str(draft), str(draft))
+        plans.pair_plan("cpu", True, str(draft), str(draft))
     with pytest.raises(BadInput, match="--draft tiny-draft has no weights here"):
-        pair.pair_plan("cpu", True, str(target), "tiny-draft")
+        plans.pair_plan("cpu", True, str(target), "tiny-draft")
     with pytest.raises(BadInput, match="prompt file not found: nope.txt"):
-        pair.pair_plan("cpu", True, str(target), str(draft), ("code", "nope.txt"))
-    plan = pair.pair_plan("cpu", True, str(target), str(draft), ("chat",))
+        plans.pair_plan("cpu", True, str(target), str(draft), ("code", "nope.txt"))
+    plan = plans.pair_plan("cpu", True, str(target), str(draft), ("chat",))
     # Routing before the sweep: the sweep replays the routing the prompts caused.
-    assert pair.stage_labels(plan) == ["roofline", "routing my-moe on chat", "sweep my-moe", "fit",
-                                       "spec my-moe on chat"]
+    assert [s.label for s in pair_stages.pair_stages(plan)] == [
+        "roofline", "routing my-moe on chat", "sweep my-moe", "fit", "spec my-moe on chat"]
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -115,19 +115,19 @@ def test_dry_run_of_a_pair(own_pair):
     assert doc["pair"] == {"target": "my-moe", "draft": "my-draft", "found": "given on the command line"}
     assert zoo.expert_shape(models.resolve(str(target)).config) == (8, 2)
     spec_code = doc["stages"][4]
-    assert spec_code["acceptance_prompts"] == pair.QUICK_PROMPTS and spec_code["alpha_assumed"] == plan.PAIR_ALPHA
-    assert spec_code["grid"]["temperature"] == list(pair.TEMPERATURES) and spec_code["eta_s"] > 0
+    assert spec_code["acceptance_prompts"] == plans.QUICK_PROMPTS and spec_code["alpha_assumed"] == estimate.PAIR_ALPHA
+    assert spec_code["grid"]["temperature"] == list(plans.TEMPERATURES) and spec_code["eta_s"] > 0
     # The untimed acceptance pass is in the ETA, in proportion to the prompts it decodes.
-    base = pair.pair_plan("metal", True, str(target), str(draft))
-    rates = plan.chip_rates(plan.parse_chip("Apple M1"))
+    base = plans.pair_plan("metal", True, str(target), str(draft))
+    sizing = estimate.Sizing("metal", 2**33, estimate.chip_rates(estimate.parse_chip("Apple M1")))
 
     def eta(prompts):
-        return plan._pair_spec_stage(replace(base, max_prompts=prompts), "code", "float16", 2**33, rates)["eta_s"]
+        return estimate.pair_spec_stage(replace(base, max_prompts=prompts), "code", sizing)["eta_s"]
 
     assert eta(9) - eta(1) == pytest.approx(2 * (eta(5) - eta(1))) and eta(5) > eta(1)
     text = CliRunner().invoke(cli, ["run", "--quick", "--dry-run", "--target", str(target), "--draft", str(draft),
                                     "--chip", "Apple M1", "--memory", "8"]).output
-    assert f"acceptance pass over {pair.QUICK_PROMPTS} prompts per gamma and temperature" in text
+    assert f"acceptance pass over {plans.QUICK_PROMPTS} prompts per gamma and temperature" in text
 
 
 def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_path, own_pair):
@@ -167,13 +167,13 @@ def pair_store(tmp_path, traces: dict[str, tuple[int, int]], tokens=(1, 2, 3, 4)
     from mac_moesd.measure import routing_trace
     from mac_moesd.results import ResultsStore
 
-    plan = pair.PairPlan(replace(tiny_plan(), tokens=tokens), "t", "d", ("code", "chat"))
+    plan = plans.PairPlan(replace(tiny_plan(), tokens=tokens), "t", "d", ("code", "chat"))
     store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu", "versions": {}, "blas": {}})
     store.data["pairs"] = {"t|d": {}}
     (tmp_path / "traces").mkdir()
     for step, (prompt_set, (sequences, length)) in enumerate(traces.items(), start=1):
         s, p = np.meshgrid(np.arange(sequences), np.arange(length), indexing="ij")
-        path = pair.trace_path(tmp_path, "t", prompt_set)
+        path = pair_stages.trace_path(tmp_path, "t", prompt_set)
         routing_trace.save_trace(path, ((s + step * p) % 16)[None, ..., None], 16, 1, "t",
                                  f"prompt set {prompt_set}", "tokenizer")
         store.put("routing", f"t|prompt set {prompt_set}", {"trace": str(path), "token_ids": "tokenizer"})
@@ -184,7 +184,7 @@ def test_the_pair_sweep_replays_the_prompt_sets_traces_interleaved(tmp_path):
     from mac_moesd.measure import routing_trace
 
     plan, store = pair_store(tmp_path, {"code": (3, 4), "chat": (2, 4)})
-    record = pair.sweep_routing(store, plan)
+    record = pair_stages.sweep_routing(store, plan)
     combined = tmp_path / "traces" / "t-code+chat.npz"
     trace = routing_trace.load_trace(combined)
     assert record == {"routing": f"trace:{combined.resolve()}", "key": f"trace:t-code+chat.npz@{trace.digest}",
@@ -196,24 +196,24 @@ def test_the_pair_sweep_replays_the_prompt_sets_traces_interleaved(tmp_path):
                                                   [2, 3, 4, 5]]
     # A rerun finds the same file, so the same results key: its sweep resumes, nothing is redone.
     written = combined.stat().st_mtime_ns
-    assert pair.sweep_routing(store, plan) == record and combined.stat().st_mtime_ns == written
+    assert pair_stages.sweep_routing(store, plan) == record and combined.stat().st_mtime_ns == written
 
 
 def test_the_pair_sweep_routing_without_enough_trace(tmp_path):
     plan, store = pair_store(tmp_path / "one", {"chat": (3, 4)}, tokens=(1, 2))
-    record = pair.sweep_routing(store, plan)  # one set: its own trace, as saved
+    record = pair_stages.sweep_routing(store, plan)  # one set: its own trace, as saved
     assert record["trace"] == "traces/t-chat.npz" and record["prompt_sets"] == ["chat"]
     # Batch 4 from 3 sequences of 4 tokens: 6 windows of 2 tokens, one sequence giving two.
     assert record["spans_per_sequence"] == 2
 
     plan, store = pair_store(tmp_path / "short", {"code": (2, 4)}, tokens=(1, 2, 3))
     # 2 sequences of 4 tokens hold 2 windows of 3 tokens; the grid's batch 4 needs 4.
-    assert pair.sweep_routing(store, plan) == {
+    assert pair_stages.sweep_routing(store, plan) == {
         "routing": "model", "key": "model",
         "why": "the prompts' trace holds 2 sequences of 4 tokens, too few for 4 sequences of 3"}
 
     plan, store = pair_store(tmp_path / "none", {})
-    assert pair.sweep_routing(store, plan)["why"] == ("no routing trace of the prompts is saved: their "
+    assert pair_stages.sweep_routing(store, plan)["why"] == ("no routing trace of the prompts is saved: their "
                                                       "routing stages were skipped")
 
 
@@ -224,13 +224,13 @@ def test_the_pair_fit_sees_only_the_sweep_under_its_routing():
                        "t|None|L16|layers2|routing=trace:t-code.npz@old": {"model": "t"},
                        "t|None|L16|layers2|routing=trace:t-code.npz@abc|gather=sorted": {"model": "t"},
                        "u|None|L16|layers2": {"model": "u"}}}
-    plan = pair.PairPlan(None, "t", "d")
-    assert list(pair.as_swept(data, plan)["sweeps"]) == ["t|None|L16|layers2|routing=trace:t-code.npz@abc",
+    plan = plans.PairPlan(None, "t", "d")
+    assert list(pair_stages.as_swept(data, plan)["sweeps"]) == ["t|None|L16|layers2|routing=trace:t-code.npz@abc",
                                                          "u|None|L16|layers2"]
     data["pairs"]["t|d"]["sweep_routing"]["key"] = "model"
-    assert list(pair.as_swept(data, plan)["sweeps"]) == ["t|None|L16|layers2", "u|None|L16|layers2"]
+    assert list(pair_stages.as_swept(data, plan)["sweeps"]) == ["t|None|L16|layers2", "u|None|L16|layers2"]
     del data["pairs"]["t|d"]["sweep_routing"]
-    assert pair.as_swept(data, plan) is data
+    assert pair_stages.as_swept(data, plan) is data
 
 
 # ---- the whole pipeline through the CLI, on a tiny grid ----
@@ -239,7 +239,7 @@ def test_the_pair_fit_sees_only_the_sweep_under_its_routing():
 def tiny_grid(monkeypatch):
     from test_report import tiny_plan
 
-    monkeypatch.setattr(pair.runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
+    monkeypatch.setattr(plans, "default_plan", lambda backend, quick, full=False: tiny_plan())
 
 
 def run_pair_cli(out, target, draft, *extra):

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from mac_moesd.reporting import compare, report
 from mac_moesd.analysis import fit
 from mac_moesd.measure import routing, timing
-from mac_moesd import run as runner
+from mac_moesd.pipeline import plans, stages
+from mac_moesd.progress import Progress
 from mac_moesd.cli import cli
 from mac_moesd.results import ResultsStore
 
@@ -145,7 +146,7 @@ def test_cli_report_from_a_folder(tmp_path):
     assert (tmp_path / "report.html").exists()
 
 
-DEFAULT_PLAN = runner.default_plan
+DEFAULT_PLAN = plans.default_plan
 
 
 def tiny_plan():
@@ -170,6 +171,20 @@ class Machine:
     available_bytes = None
 
 
+class StagesDone(Progress):
+    """A run's progress as its steps: the stages it expects, and each stage as it is done (a
+    stage's own progress inside a run is named, not counted)."""
+
+    def __init__(self):
+        self.expected, self.done = None, []
+
+    def expect(self, steps: int) -> None:
+        self.expected = steps
+
+    def advance(self, label: str) -> None:
+        self.done.append(label)
+
+
 @pytest.mark.slow
 def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
     store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu",
@@ -181,27 +196,28 @@ def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(routing, "run_routing", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        runner.run_all(plan, store, Machine(), None)
+        stages.run_all(plan, store, Machine(), None)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert "roofline" in saved and len(saved["sweeps"]) == 2 and "fits" not in saved
     assert not (tmp_path / "report.md").exists()
     monkeypatch.undo()
-    stages = []
+    progress = StagesDone()
     store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu",
                                                       "versions": {}, "blas": {}})
-    runner.run_all(plan, store, Machine(), None, stage=stages.append)
+    stages.run_all(plan, store, Machine(), None, progress)
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["roofline"] == saved["roofline"]  # the finished stage was kept, not re-measured
     assert {"routing", "fits", "spec"} <= set(data)
-    assert stages == ["roofline", "sweep tiny-moe", "sweep tiny-dense", "routing tiny-moe", "fit",
-                      "spec tiny-moe"]
+    assert progress.expected == 6
+    assert progress.done == ["roofline", "sweep tiny-moe", "sweep tiny-dense", "routing tiny-moe", "fit",
+                             "spec tiny-moe"]
     paths = report.write_report(data, tmp_path)
     assert "## Verdict" in paths["markdown"].read_text()
 
 
 @pytest.mark.slow
 def test_cli_run_writes_the_chip_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
+    monkeypatch.setattr(plans, "default_plan", lambda backend, quick, full=False: tiny_plan())
     result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]

@@ -268,7 +268,7 @@ def test_the_default_roofline_shrinks_to_a_faked_8gb_mac(monkeypatch, tmp_path):
     assert roofline.fit_memory(full, 4 * 2**30) == (full, None)
 
     # `run` measures it shrunk (here at the tests' sizes), not skipped, and the report says so
-    from mac_moesd import run as runner
+    from mac_moesd.pipeline import plans, runner, stages
     from mac_moesd.reporting import report
     from mac_moesd.results import ResultsStore
 
@@ -282,9 +282,9 @@ def test_the_default_roofline_shrinks_to_a_faked_8gb_mac(monkeypatch, tmp_path):
     monkeypatch.setattr(roofline, "run_roofline", small)
     store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu"})
     outcome = runner.Outcome()
-    plan = replace(runner.default_plan("cpu", quick=False), roofline=full)
-    runner.isolated(store, outcome, "roofline",
-                    lambda: runner.measure_roofline(plan, store, None, "cpu", usable, lambda label: None))
+    plan = replace(plans.default_plan("cpu", quick=False), roofline=full)
+    ctx = runner.Context(store, "cpu", None, outcome, usable_bytes=usable)
+    runner.isolated(store, outcome, "roofline", lambda: stages.roofline_stage(plan).work(ctx))
     assert outcome.ran == ["roofline"] and outcome.skipped == {}
     assert seen["cfg"] == cfg and store.data["roofline"]["shrunk"] == shrunk
     md = report.to_markdown(report.build_blocks(store.data, {}))

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 from test_report import Machine, tiny_plan
 
-from mac_moesd.measure import routing, spec, sweep
-from mac_moesd import run as runner
+from mac_moesd.measure import roofline, routing, spec, sweep
+from mac_moesd.pipeline import plans, stages
 from mac_moesd.cli import cli
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import ResultsStore
@@ -26,7 +26,7 @@ def metal_failure(*args, **kwargs):
 def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(routing, "run_routing", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = runner.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
     assert outcome.skipped == {"routing tiny-moe": "RuntimeError: [METAL] Command buffer execution "
                                                    "failed: Insufficient Memory"}
     assert outcome.exit_status == 3
@@ -36,7 +36,7 @@ def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, mo
 
     monkeypatch.undo()  # a rerun retries the skipped stage and clears its reason
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = runner.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
     assert outcome.skipped == {} and outcome.exit_status == 0
     assert json.loads((tmp_path / "results.json").read_text())["skipped"] == {}
 
@@ -53,7 +53,7 @@ def test_a_failed_sweep_skips_its_fit_and_spec_with_reasons(tmp_path, monkeypatc
     monkeypatch.setattr(sweep, "run_sweep", moe_fails)
     monkeypatch.setattr(routing, "run_routing", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = runner.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
     assert set(outcome.skipped) == {"sweep tiny-moe", "routing tiny-moe", "fit", "spec tiny-moe"}
     assert outcome.skipped["fit"] == "no MoE sweep finished, so there is nothing to fit"
     assert outcome.exit_status == 3  # the roofline and the dense sweep were measured
@@ -62,14 +62,14 @@ def test_a_failed_sweep_skips_its_fit_and_spec_with_reasons(tmp_path, monkeypatc
 def test_nothing_measured_exits_1(tmp_path, monkeypatch):
     for module, name in ((sweep, "run_sweep"), (routing, "run_routing"), (spec, "run_spec")):
         monkeypatch.setattr(module, name, metal_failure)
-    monkeypatch.setattr(runner.roofline, "run_roofline", metal_failure)
+    monkeypatch.setattr(roofline, "run_roofline", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
-    assert runner.run_all(tiny_plan(), store, Machine(), None).exit_status == 1
+    assert stages.run_all(tiny_plan(), store, Machine(), None).exit_status == 1
 
 
 @pytest.mark.slow
 def test_cli_run_with_a_skipped_stage_writes_the_report_and_exits_3(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "default_plan", lambda backend, quick, full=False: tiny_plan())
+    monkeypatch.setattr(plans, "default_plan", lambda backend, quick, full=False: tiny_plan())
     monkeypatch.setattr(routing, "run_routing", metal_failure)
     result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 3, result.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from mac_moesd.cli import cli
-from mac_moesd import run as runner
+from mac_moesd.pipeline import plans, stages
 
 
 def test_dry_run_counts_weights_and_kv_for_the_largest_concurrency(tiny_pair):
@@ -29,8 +29,8 @@ def test_dry_run_counts_weights_and_kv_for_the_largest_concurrency(tiny_pair):
 
 
 def test_random_weight_run_lists_serving_as_skipped_with_why():
-    plan = runner.default_plan("cpu", quick=True)
-    assert runner.stage_labels(plan, serving=True)[-1] == "serving"
+    plan = plans.default_plan("cpu", quick=True)
+    assert [s.label for s in stages.default_stages(plan, serving=True)][-1] == "serving"
     result = CliRunner().invoke(cli, ["run", "--dry-run", "--json", "--chip", "Apple M1", "--memory", "8",
                                       "--serving"], standalone_mode=False)
     stage = json.loads(result.stdout)["stages"][-1]

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from test_roofline import TINY
 
-from mac_moesd import run as runner
+from mac_moesd.pipeline import runner, stages
 from mac_moesd.cli import cli
 from mac_moesd.machine import thermal
 from mac_moesd.reporting import report
@@ -126,8 +126,8 @@ def test_a_throttled_roofline_is_marked_in_the_report(tmp_path, mac):
     store = ResultsStore(tmp_path / "results.json", META)
     outcome = runner.Outcome()
     plan = types.SimpleNamespace(roofline=TINY)
-    runner.isolated(store, outcome, "roofline",
-                    lambda: runner.measure_roofline(plan, store, None, "cpu", None, lambda label: None))
+    ctx = runner.Context(store, "cpu", None, outcome)
+    runner.isolated(store, outcome, "roofline", lambda: stages.roofline_stage(plan).work(ctx))
     assert store.data["roofline"]["thermal_pressure"] == {"before": "moderate", "after": "trapping"}
     md = report.to_markdown(report.build_blocks(store.data, {}))
     assert ("> THROTTLED: the roofline ran under thermal pressure (moderate before, trapping after): macOS "
@@ -142,7 +142,7 @@ def test_cli_run_prints_the_stages_warnings(tmp_path, monkeypatch):
         outcome.warn(thermal.warning("roofline", {"before": "nominal", "after": "heavy"}))
         return outcome
 
-    monkeypatch.setattr(runner, "run_all", measured)
+    monkeypatch.setattr(stages, "run_all", measured)
     result = CliRunner().invoke(cli, ["run", "--quick", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
     assert "warning: roofline ran under thermal pressure (before: nominal, after: heavy)" in result.stderr

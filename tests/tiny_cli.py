@@ -9,11 +9,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_report import tiny_plan  # noqa: E402
 
-from mac_moesd import run as runner  # noqa: E402
+from mac_moesd.pipeline import plans  # noqa: E402
 from mac_moesd.measure import roofline  # noqa: E402
 
 PLAN = tiny_plan()
-runner.default_plan = lambda backend, quick, full=False: PLAN
+plans.default_plan = lambda backend, quick, full=False: PLAN
 roofline.QUICK = PLAN.roofline
 
 from mac_moesd.cli import main  # noqa: E402

@@ -33,7 +33,8 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
 from mac_moesd.machine import hardware, memory, metadata
 from mac_moesd.measure import collectives, sharding, timing
-from mac_moesd.measure.sweep import Progress, SweepConfig, entry_key, run_sweep
+from mac_moesd.measure.sweep import SweepConfig, entry_key, run_sweep
+from mac_moesd.progress import Progress
 from mac_moesd.measure.watchdog import Watchdog
 from mac_moesd.results import ResultsStore, point_key
 

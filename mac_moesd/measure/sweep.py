@@ -34,6 +34,7 @@ from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import cache_copy, routing, timing
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.progress import Progress
 from mac_moesd.results import ResultsStore, parse_point_key, point_key, schema
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 
@@ -57,16 +58,6 @@ def pipelined_steps(tokens: int, budget: timing.Budget) -> int:
 
 # How a target model is built: models.build, or a sharded build (measure.distributed).
 Builder = Callable[..., models.Built]
-
-
-class Progress:
-    """Told how many points a sweep will measure, then of each as it finishes. Silent here."""
-
-    def expect(self, points: int) -> None:
-        pass
-
-    def advance(self, label: str) -> None:
-        pass
 
 
 @dataclass(frozen=True)

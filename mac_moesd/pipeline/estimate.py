@@ -1,5 +1,6 @@
 """`mac-moesd run --dry-run`: each stage's models, slices, grid, peak memory and duration, from
-shapes and the chip's figures alone. Nothing is allocated: models are built lazily.
+shapes and the chip's figures alone. Nothing is allocated: models are built lazily. The stages
+are the run's own (``Stage.estimate``), in its order.
 
 Durations are a roofline estimate: one forward of B x t tokens over L cached ones takes
 max(bytes / bandwidth, FLOP / FLOPS), with bytes = dense weights + the experts N(B t) activates
@@ -19,14 +20,13 @@ from pathlib import Path
 
 from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models
-from mac_moesd.measure import routing, spec, sweep, timing
+from mac_moesd.measure import roofline, routing, spec, sweep, timing
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts
-from mac_moesd.pair import PairPlan
-from mac_moesd.run import Plan
+from mac_moesd.pipeline.plans import PairPlan, Plan
 
-__all__ = ["Rates", "chip_rates", "dry_run", "parse_chip"]
+__all__ = ["Rates", "Sizing", "chip_rates", "dry_run", "parse_chip"]
 
 # Apple's newest per-core FP32 figure (M2: 3.6 TFLOPS over 10 GPU cores, hardware.APPLE_CHIPS)
 # stands in for chips without a published one (M3 and later), whose GPU cores are no slower.
@@ -43,6 +43,20 @@ class Rates:
     bandwidth_bytes_s: float
     flops: float
     source: str
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What a stage's estimate is made for: the backend (its dtype), the memory usable and the
+    rates its durations come from."""
+
+    backend: str
+    usable_bytes: int
+    rates: Rates
+
+    @property
+    def dtype(self) -> str:
+        return "float16" if self.backend != "cpu" else "float32"
 
 
 def parse_chip(text: str) -> hardware.ChipSpec:
@@ -133,7 +147,9 @@ def materialise_seconds(built, rates: Rates) -> float:
 # ---- stages ----
 
 
-def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -> dict:
+def sweep_stage(plan: Plan, name: str, sizing: Sizing) -> dict:
+    """The sweep of ``name`` as ``sweep.run_sweep`` runs it: its slices, peak and duration."""
+    dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
                             dtype=dtype, bits=plan.bits, budget=plan.budget,
                             draft=plan.draft if name in plan.moe else None)
@@ -175,9 +191,10 @@ def _sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates) -
             "context": plan.context, "slices": parts, "peak_bytes": peak, "eta_s": seconds}
 
 
-def _routing_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates, label: str,
-                   prompts: str | None = None, length: int | None = None) -> dict:
+def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str,
+                  prompts: str | None = None, length: int | None = None) -> dict:
     """Routing on random ids, or on a prompt set (one sequence of ``length`` tokens per prompt)."""
+    dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     source = models.resolve(name)
     cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits,
                                 **({"length": length} if length else {}))
@@ -193,7 +210,9 @@ def _routing_stage(plan: Plan, name: str, dtype: str, usable: int, rates: Rates,
             "eta_s": seconds}
 
 
-def _spec_stage(plan: Plan, dtype: str, usable: int, rates: Rates) -> dict:
+def spec_stage(plan: Plan, sizing: Sizing) -> dict:
+    """Emulated-acceptance SD on the sparser MoE, every configuration to its precision."""
+    dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     target = plan.moe[0]
     cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
                           alphas=(0.7,), context=plan.context, new_tokens=plan.spec_tokens,
@@ -235,13 +254,13 @@ def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec
     return plain, sd
 
 
-def _pair_spec_stage(pair: PairPlan, prompt_set: str, dtype: str, usable: int, rates: Rates) -> dict:
+def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
     """SD of a real pair on one prompt set, as ``spec.run_spec`` runs it: the untimed acceptance
     pass (SD after each of its first ``max_prompts`` prompts, plain too at temperature 0 for the
     greedy check), then the timed runs (a prefill of the next prompts for each pair), at every
     temperature, over the prompts' mean length in tokens. Acceptance is unknown before the run:
     PAIR_ALPHA stands in. A pair that fits only as slices is refused, as the run refuses it."""
-    plan = pair.base
+    plan, dtype, usable, rates = pair.base, sizing.dtype, sizing.usable_bytes, sizing.rates
     cfg = spec.SpecConfig(target=pair.target_arg, draft=pair.draft_arg, batches=plan.spec_batches,
                           gammas=plan.spec_gammas, mode="real", context=plan.context,
                           new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, budget_s=plan.spec_budget_s,
@@ -270,8 +289,8 @@ def _pair_spec_stage(pair: PairPlan, prompt_set: str, dtype: str, usable: int, r
             "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
 
 
-def _roofline_stage(plan: Plan, rates: Rates) -> dict:
-    cfg = plan.roofline
+def roofline_stage(plan: Plan, sizing: Sizing) -> dict:
+    cfg, rates = plan.roofline, sizing.rates
     bw, fl, budget = rates.bandwidth_bytes_s, rates.flops, cfg.budget
     seconds = sum(point_seconds(moved * size / bw, budget) for size in cfg.sizes for moved in (1, 2, 3))
     seconds += 4 * point_seconds(cfg.gemv_bytes / bw, budget)
@@ -279,56 +298,35 @@ def _roofline_stage(plan: Plan, rates: Rates) -> dict:
     out, inn = cfg.qmm_shape
     seconds += sum(point_seconds(max(out * inn * 0.6 / bw, 2 * t * out * inn / fl), budget)
                    for _ in (4, 8) for t in cfg.qmm_tokens)
-    peak = memory.roofline_estimate(cfg)["peak_bytes"]
+    peak = roofline.memory_estimate(cfg)["peak_bytes"]
     return {"stage": "roofline", "models": [], "grid": {"sizes_bytes": list(cfg.sizes)},
             "peak_bytes": peak, "eta_s": seconds}
 
 
-def _guarded(stage: str, names: list[str], estimate, *args) -> dict:
+def guarded(label: str, models_listed: tuple[str, ...], estimate, *args) -> dict:
     """A stage the guards would refuse is listed as skipped, with their reason; it allocates
     nothing and takes no time."""
     try:
         return estimate(*args)
     except MacMoesdError as err:
-        return {"stage": stage, "models": names, "peak_bytes": 0, "eta_s": 0.0, "skipped": str(err)}
+        return {"stage": label, "models": list(models_listed), "peak_bytes": 0, "eta_s": 0.0, "skipped": str(err)}
 
 
-def dry_run(plan: Plan, backend: str, chip: str, memory_bytes: int | None, usable: memory.Usable,
-            rates: Rates | None, pair: PairPlan | None = None) -> dict:
-    """Every stage of ``plan`` with its peak estimate and, given rates, its duration; with
-    ``pair``, the stages of that pair's run (routing and SD on each of its prompt sets)."""
-    dtype = "float16" if backend != "cpu" else "float32"
-    budget = usable.usable_bytes
-    stages = []
+def dry_run(stages: list, bits: int | None, backend: str, chip: str, memory_bytes: int | None,
+            usable: memory.Usable, rates: Rates | None) -> dict:
+    """Every stage of a run (``pipeline.runner.Stage``, in the run's order) with its peak estimate
+    and its duration at ``rates``; the stages without an estimate are listed as not estimated."""
     if rates is None:
         raise BadInput("no bandwidth or FLOPS for this machine: run `mac-moesd roofline` first, "
                        "or give --chip")
-    stages.append(_roofline_stage(plan, rates))
-    if pair is not None:  # in the run's order and labels (pair.stage_labels): the sweep replays the routing
-        for p in pair.prompt_sets:
-            label = f"routing {pair.target} on {p}"
-            stages.append(_guarded(label, [pair.target_arg], _routing_stage, plan, pair.target_arg, dtype,
-                                   budget, rates, label, p, pair.routing_length))
-        stages.append(_guarded(f"sweep {pair.target}", [pair.target_arg], _sweep_stage, plan, pair.target_arg,
-                               dtype, budget, rates))
-        stages[-1]["stage"] = f"sweep {pair.target}"
-        for p in pair.prompt_sets:
-            stages.append(_guarded(f"spec {pair.target} on {p}", [pair.target_arg, pair.draft_arg],
-                                   _pair_spec_stage, pair, p, dtype, budget, rates))
-    else:
-        for name in plan.models:
-            stages.append(_guarded(f"sweep {name}", [name], _sweep_stage, plan, name, dtype, budget, rates))
-        for name in plan.moe:
-            stages.append(_guarded(f"routing {name}", [name], _routing_stage, plan, name, dtype, budget, rates,
-                                   f"routing {name}"))
-        stages.append(_guarded(f"spec {plan.moe[0]}", [plan.moe[0], plan.draft], _spec_stage, plan, dtype,
-                               budget, rates))
-    for s in stages:
-        s["fits"] = s["peak_bytes"] <= budget
+    sizing = Sizing(backend, usable.usable_bytes, rates)
+    planned = [guarded(s.label, s.models, s.estimate, sizing) for s in stages if s.estimate is not None]
+    for s in planned:
+        s["fits"] = s["peak_bytes"] <= sizing.usable_bytes
     return {
-        "chip": chip, "backend": backend, "dtype": dtype, "bits": plan.bits,
-        "memory_bytes": memory_bytes, "usable_bytes": budget, "usable": usable.to_dict(),
+        "chip": chip, "backend": backend, "dtype": sizing.dtype, "bits": bits,
+        "memory_bytes": memory_bytes, "usable_bytes": sizing.usable_bytes, "usable": usable.to_dict(),
         "rates": {"bandwidth_bytes_s": rates.bandwidth_bytes_s, "flops": rates.flops, "source": rates.source},
-        "stages": stages, "eta_s": sum(s["eta_s"] for s in stages),
-        "not_estimated": ["fit", "report"],
+        "stages": planned, "eta_s": sum(s["eta_s"] for s in planned),
+        "not_estimated": [s.label for s in stages if s.estimate is None] + ["report"],
     }

@@ -3,7 +3,7 @@
 What ``mlx.launch -n N ... sweep MODEL --parallel MODE`` would do on N machines of one kind: each
 rank's shard is built lazily as ``sharding`` would split it for that rank (nothing allocated,
 no group needed), its peak memory estimated against one machine's usable memory, and the
-duration estimated as ``plan`` does for one machine, per rank: a forward costs the slowest
+duration estimated as ``estimate`` does for one machine, per rank: a forward costs the slowest
 rank's time (tensor, expert) or every stage's in turn (pipeline), plus the bytes its collectives
 move over the link. The collectives are counted from the model's own forward (``collectives``).
 """
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mac_moesd import plan as single
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models
 from mac_moesd.machine import memory
 from mac_moesd.measure import collectives, sharding, sweep, timing
 from mac_moesd.measure.distributed import shard_built
-from mac_moesd.run import Plan
+from mac_moesd.pipeline import estimate as single
+from mac_moesd.pipeline.plans import Plan
 
 __all__ = ["LINK_GBPS", "PlannedGroup", "dry_run_cluster", "link_seconds", "rank_builds"]
 
@@ -147,10 +147,10 @@ def dry_run_cluster(plan: Plan, backend: str, chip: str, memory_bytes: int | Non
     dtype = "float16" if backend != "cpu" else "float32"
     link = link_gbps * 1e9 / 8
     budget = usable.usable_bytes
-    stages = [single._roofline_stage(plan, rates)]
+    stages = [single.roofline_stage(plan, single.Sizing(backend, budget, rates))]
     for name in plan.moe:
-        stages.append(single._guarded(f"sweep {name} ({parallel} x{ranks})", [name], _cluster_sweep_stage,
-                                      plan, name, dtype, budget, rates, parallel, ranks, link))
+        stages.append(single.guarded(f"sweep {name} ({parallel} x{ranks})", (name,), _cluster_sweep_stage,
+                                     plan, name, dtype, budget, rates, parallel, ranks, link))
     for s in stages:
         s["fits"] = s["peak_bytes"] <= budget
     whole = {name: models.build(models.resolve(name), dtype, plan.bits).footprint.bytes_total for name in plan.moe}

@@ -1,0 +1,121 @@
+"""`mac-moesd run`: the stages for the default models, as a list handed to the runner.
+
+Stages: roofline, sweeps (each target with the drafter's T_D, and the dense control), routing of
+each MoE, the fit, measured SD on the sparser MoE (and, with ``--serving``, a serving stage that
+random weights skip with why); the report comes after them. Finished stages are kept in
+results.json and skipped on a rerun (``Stage.done``); a sweep resumes point by point. Every
+document a stage writes records the thermal pressure before and after the stage
+(``runner.isolated``).
+"""
+
+from __future__ import annotations
+
+from mac_moesd.analysis import fit
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.machine import memory
+from mac_moesd.measure import roofline, routing, spec, sweep
+from mac_moesd.pipeline import estimate
+from mac_moesd.pipeline.plans import Plan
+from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
+from mac_moesd.progress import Progress
+from mac_moesd.results import ResultsStore
+
+__all__ = ["default_stages", "roofline_stage", "run_all", "sweep_config"]
+
+
+def roofline_stage(plan: Plan) -> Stage:
+    """The roofline, shrunk to fit the memory usable (``roofline.fit_memory``), as it says in its
+    document; kept when results already hold one."""
+    def work(ctx: Context) -> None:
+        cfg, shrunk = roofline.fit_memory(plan.roofline, ctx.usable_bytes)
+        memory.start_stage()
+        ctx.store.data["roofline"] = roofline.run_roofline(cfg, ctx.spec, ctx.backend, ctx.progress.advance,
+                                                           usable_bytes=ctx.usable_bytes, shrunk=shrunk)
+        ctx.store.save()
+
+    return Stage("roofline", work, done=lambda data: "roofline" in data,
+                 estimate=lambda sizing: estimate.roofline_stage(plan, sizing))
+
+
+def sweep_config(plan: Plan, name: str) -> sweep.SweepConfig:
+    """The sweep of ``name``: an MoE target with the drafter's T_D(B,1), a dense control without."""
+    return sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
+                             bits=plan.bits, budget=plan.budget,
+                             draft=plan.draft if name in plan.moe else None)
+
+
+def _sweep(plan: Plan, name: str) -> Stage:
+    return Stage(f"sweep {name}",
+                 lambda ctx: sweep.run_sweep(sweep_config(plan, name), ctx.store, ctx.usable_bytes, ctx.progress),
+                 estimate=lambda sizing: estimate.sweep_stage(plan, name, sizing), models=(name,))
+
+
+def _routing(plan: Plan, name: str) -> Stage:
+    """Routing of random ids through ``name``, kept once any routing of it is in the results."""
+    def work(ctx: Context) -> None:
+        cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
+        document = routing.run_routing(cfg, ctx.usable_bytes)
+        ctx.store.put("routing", f"{document['model']}|{document['text']}", document)
+
+    label = f"routing {name}"
+    return Stage(label, work, done=lambda data: any(k.startswith(f"{name}|") for k in data.get("routing", {})),
+                 estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label), models=(name,))
+
+
+def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
+    """Fit every MoE target whose sweep ran; an error when none did."""
+    fitted = []
+    for name in plan.moe:
+        if f"sweep {name}" in outcome.skipped:
+            continue
+        inputs = fit.inputs_from_results(store.data, name)
+        store.data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
+        fitted.append(name)
+    store.save()
+    if not fitted:
+        raise MacMoesdError("no MoE sweep finished, so there is nothing to fit")
+
+
+def _spec(plan: Plan) -> Stage:
+    """Emulated-acceptance SD on the sparser MoE, beside the fit's predictions."""
+    target = plan.moe[0]
+    key = f"{target}|{plan.draft}|emulated-acceptance"
+
+    def work(ctx: Context) -> None:
+        data = ctx.store.data
+        if target not in data.get("fits", {}):
+            raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
+        cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
+                              gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
+                              new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
+                              budget_s=plan.spec_budget_s, bits=plan.bits)
+        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
+                                 fit.sweep_plain_step(data, target))
+        ctx.store.put("spec", key, document)
+
+    return Stage(f"spec {target}", work, done=lambda data: key in data.get("spec", {}),
+                 estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, plan.draft))
+
+
+def _random_weights_serving() -> Stage:
+    """Listed so the report says why it is missing: the zoo's models have random weights."""
+    from mac_moesd.measure import serving_stage
+
+    return Stage("serving", lambda ctx: serving_stage.random_weights_stage(),
+                 estimate=lambda sizing: serving_stage.random_weights_stage())
+
+
+def default_stages(plan: Plan, serving: bool = False) -> list[Stage]:
+    """The stages of `run` on ``plan``, in order (the report comes after them)."""
+    return [roofline_stage(plan), *[_sweep(plan, m) for m in plan.models], *[_routing(plan, m) for m in plan.moe],
+            Stage("fit", lambda ctx: fit_targets(plan, ctx.store, ctx.outcome)), _spec(plan),
+            *([_random_weights_serving()] if serving else [])]
+
+
+def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None, progress: Progress = Progress(),
+            memory_limit: int | None = None, serving: bool = False) -> Outcome:
+    """Measure every missing stage of ``plan`` into ``store`` (``runner.run_stages``); with
+    ``serving``, a serving stage is listed and skipped with why (the default models have random
+    weights)."""
+    ctx = Context(store, machine.backend, spec_dict, Outcome(), progress)
+    return run_stages(default_stages(plan, serving), ctx, memory_limit)
