@@ -306,14 +306,10 @@ def random_weights_stage() -> None:
 
 def pair_stage(template: ServingConfig, target: str, draft: str, prompt_sets: tuple[str, ...],
                store: ResultsStore, backend: str, advance: Callable[[str], None]) -> None:
-    """The serving stage of a pair run, unless the results already hold a complete one."""
+    """The serving stage of a pair run: ``template`` on the pair and its prompt sets (a complete
+    one already in the results is kept by the run: ``pipeline.pair_stages``)."""
     from dataclasses import replace
 
-    from mac_moesd.inputs import models
-
-    key = f"{models.resolve(target).name}|{models.resolve(draft).name}"
-    if store.data.get("serving", {}).get(key, {}).get("complete"):
-        return
     run_serving(replace(template, target=target, draft=draft, prompts=prompt_sets), store, backend, advance)
 
 
@@ -351,19 +347,3 @@ def prompt_tokens_estimate(prompt_sets: tuple[str, ...]) -> int:
 
 RANDOM_WEIGHTS = ("the default models have random weights, and a server measurement needs a trained pair: "
                   "run --target MODEL --draft MODEL --serving")
-
-
-def add_to_plan(document: dict, pair, quick: bool, backend: str) -> None:
-    """Append the serving stage to a dry run's document (``plan.dry_run``) of a pair run, or,
-    without a pair, the stage as skipped with why."""
-    stage = {"stage": "serving", "models": [], "peak_bytes": 0, "eta_s": 0.0, "skipped": RANDOM_WEIGHTS}
-    if pair is not None:
-        try:
-            stage = dry_run_stage(stage_config(quick), pair.target_arg, pair.draft_arg, pair.prompt_sets, backend,
-                                  document["rates"]["bandwidth_bytes_s"])
-        except MacMoesdError as err:
-            stage = {"stage": f"serving {pair.target}", "models": [pair.target_arg, pair.draft_arg],
-                     "peak_bytes": 0, "eta_s": 0.0, "skipped": str(err)}
-    stage["fits"] = stage["peak_bytes"] <= document["usable_bytes"]
-    document["stages"].append(stage)
-    document["eta_s"] += stage["eta_s"]
