@@ -351,3 +351,15 @@ def test_fit_of_a_what_if_sweep_alone_says_so():
     inputs = fit.inputs_from_results(data)
     assert any("only a what-if sweep" in line for line in inputs.missing)
     assert not any("what-if" in line for line in fit.inputs_from_results(synthetic_results()).missing)
+
+
+def test_a_sweep_replaying_the_models_own_trace_is_as_run_not_a_what_if():
+    # A pair run's sweep replays the routing the target itself chose on the prompts: generation's
+    # routing of real text, not a forced one, so its fit is not flagged as a what-if.
+    from mac_moesd.analysis import fit
+    from test_fit import synthetic_results
+
+    data = synthetic_results(noise=0.0)
+    next(iter(data["sweeps"].values()))["routing"] = "trace:traces/target-code+chat.npz"
+    assert not any("what-if" in line for line in fit.inputs_from_results(data).missing)
+    assert Digest(data).models[0].as_run

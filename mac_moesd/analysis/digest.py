@@ -79,8 +79,10 @@ class ModelView:
 
     @property
     def as_run(self) -> bool:
-        """Measured as generation runs it: the model's own routing, mlx-lm's gather."""
-        return (self.routing, self.gather) == ("model", "mlx-lm")
+        """Measured as generation runs it: mlx-lm's gather, with the model's own routing, either
+        of the sweep's random ids or replayed from a trace the model routed on real prompts (a
+        pair run's sweep); forced routing (uniform, correlated) is a what-if."""
+        return self.gather == "mlx-lm" and (self.routing == "model" or self.routing.startswith("trace:"))
 
     def unique_experts(self, batch: int, tokens: int) -> float | None:
         m = self.points.get((batch, tokens))
