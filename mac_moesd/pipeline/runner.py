@@ -11,6 +11,7 @@ it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -68,13 +69,15 @@ class Stage:
     """One stage of a run. ``work`` measures into ``Context.store``; ``done`` says, from the results
     as they are, that it finished in an earlier run (None: it resumes itself, or always runs);
     ``estimate`` gives the dry run its memory and duration (None: not estimated); ``models``
-    names what the dry run lists when the guards refuse it."""
+    names what the dry run lists when the guards refuse it. ``device_state``: False where the
+    stage's measuring code sets the device state itself (the roofline, which records it)."""
 
     label: str
     work: Callable[[Context], None]
     done: Callable[[dict], bool] | None = None
     estimate: Callable[..., dict] | None = None
     models: tuple[str, ...] = ()
+    device_state: bool = True
 
 
 class _Within(Progress):
@@ -97,7 +100,7 @@ def run_stages(stages: list[Stage], ctx: Context, memory_limit: int | None = Non
         if stage.done is not None and stage.done(ctx.store.data):
             _ran(ctx.store, ctx.outcome, stage.label)
         else:
-            isolated(ctx.store, ctx.outcome, stage.label, _measuring(stage, ctx, memory_limit))
+            isolated(ctx.store, ctx.outcome, stage.label, _measuring(stage, ctx, memory_limit), stage.device_state)
         ctx.progress.advance(stage.label)
     return ctx.outcome
 
@@ -117,10 +120,12 @@ def _ran(store: ResultsStore, outcome: Outcome, label: str) -> None:
         store.save()  # it ran this time: the earlier reason no longer applies
 
 
-def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[], None]) -> None:
+def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[], None],
+             device_state: bool = True) -> None:
     """Run one stage; a failure is recorded under ``skipped`` with its reason and the run goes on.
 
-    On Metal the wired limit is set for the stage as mlx-lm sets it for generation, and
+    On Metal the wired limit is set for the stage as mlx-lm sets it for generation (unless
+    ``device_state`` is False: the stage sets it itself, once), and
     MLX's buffer cache is emptied after every stage, so a freed model does not stay resident
     while the next one is built (unified memory is shared with macOS and the user's apps).
     Thermal pressure is read before and after, and recorded in what the stage wrote.
@@ -129,7 +134,7 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
 
     before, seen = thermal.read(), _fingerprints(store.data)
     try:
-        with hardware.measuring_stage():
+        with hardware.measuring_stage() if device_state else contextlib.nullcontext():
             work()
     except STAGE_FAILURES as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

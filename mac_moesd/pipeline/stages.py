@@ -33,8 +33,9 @@ def roofline_stage(plan: Plan) -> Stage:
                                                            usable_bytes=ctx.usable_bytes, shrunk=shrunk)
         ctx.store.save()
 
+    # run_roofline sets the device state itself, to record it in its document
     return Stage("roofline", work, done=lambda data: "roofline" in data,
-                 estimate=lambda sizing: estimate.roofline_stage(plan, sizing))
+                 estimate=lambda sizing: estimate.roofline_stage(plan, sizing), device_state=False)
 
 
 def sweep_config(plan: Plan, name: str) -> sweep.SweepConfig:
