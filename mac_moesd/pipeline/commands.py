@@ -30,7 +30,8 @@ def usable_memory(limit_gib: float | None) -> memory.Usable:
     return memory.usable(memory.limit_bytes(limit_gib))
 
 
-def open_store(out: Path | None, warn: Warn, per_chip: bool = False):
+def open_store(out: Path | None, warn: Warn,
+               per_chip: bool = False) -> tuple[hardware.Machine, dict, ResultsStore]:
     """The machine, the run's metadata and the results store in ``out`` (default
     reports/<chip-slug>; with ``per_chip``, ``out``/<chip-slug>)."""
     machine = hardware.detect()
