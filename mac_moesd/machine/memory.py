@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache
 from mac_moesd.machine import hardware
 from mac_moesd.inputs import zoo
 from mac_moesd.errors import BadInput
-from mac_moesd.units import GiB, human_bytes
+from mac_moesd.units import GiB
 
 __all__ = [
     "ENV_LIMIT", "GiB", "Usable", "activation_bytes", "init_transient_bytes", "kv_slots",
@@ -42,9 +42,6 @@ LOGIT_BYTES = 4  # logits counted in float32: the widest dtype mlx-lm models ret
 
 
 # ---- what is usable ----
-
-
-human = human_bytes  # the older name of ``units.human_bytes``, for callers not yet moved to it
 
 
 def parse_vm_stat(text: str) -> dict[str, int]:
