@@ -446,6 +446,16 @@ class ConfigurationTimer:
         return Decoders(self.target, self.draft, batch, self.inputs, self.cfg.context, self.rng, self.vocab,
                         random_tokens=self.cfg.mode == "emulated-acceptance")
 
+    def grid(self, configurations: list[tuple]) -> list[dict]:
+        """Every (batch, temperature, alpha, gamma) in order, one batch's decoders alive at a time."""
+        runs = []
+        for batch in dict.fromkeys(c[0] for c in configurations):
+            decoders = self.decoders(batch)
+            runs += [self.run(decoders, g, t, a) for b, t, a, g in configurations if b == batch]
+            del decoders
+            memory.release()
+        return runs
+
     def run(self, decoders: Decoders, gamma: int, temperature: float, alpha: float | None) -> dict:
         cfg, batch = self.cfg, decoders.batch
         mx.random.seed(cfg.seed)  # the same samples for every configuration
@@ -499,72 +509,24 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     ``predicted_speedup``, tokens/s and CVs; ``greedy_check`` at temperature 0 (not emulated);
     ``rules`` at temperature > 0 with prompts (``rules_worth``). ``acceptance`` (``real`` mode
     with prompts): one ``acceptance_run.measure_acceptance`` entry per gamma and temperature."""
-    from mac_moesd.inputs import models
-
     rng = np.random.default_rng(cfg.seed)
-    target_src = models.resolve(cfg.target)
-    draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
-    inputs = prompt_ids(cfg, target_src, draft_src)
-    longest = max(map(len, inputs.ids)) if inputs.ids else None
-    target, draft, need = plan_models(cfg, available_bytes, context=longest)
-    sliced = target.layers < target.layers_full
-    if sliced:
-        if inputs.ids is not None and cfg.mode == "real":
-            raise MacMoesdError(
-                f"{target_src.name} and its drafter fit in memory only as slices of their layers, "
-                "and a sliced trained model drafts and accepts nothing meaningful: use --mode "
-                "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
-        predictor = None
-    memory.start_stage()
-    target.materialise()
-    if cfg.mode == "self-draft":
-        draft = target
-    else:
-        draft.materialise()
-    vocab = min(target.config["vocab_size"], draft.config["vocab_size"])
-    if inputs.ids is None and draft.config["vocab_size"] != target.config["vocab_size"]:
-        raise BadInput("target and drafter must share a vocabulary size")
-    # Embedding tables may be padded differently (one tokenizer); every prompt id must fit both.
-    if inputs.ids is not None and max(max(ids) for ids in inputs.ids) >= vocab:
-        raise BadInput(f"the prompts hold token ids past the drafter's or target's vocabulary ({vocab})")
-    alphas = cfg.alphas if cfg.mode == "emulated-acceptance" else (None,)
-
-    accepted_on_set = {}
-    if cfg.mode == "real" and inputs.ids is not None:
-        measured_prompts = inputs.ids[: cfg.max_prompts]
-        for temperature in cfg.temperatures:
-            for gamma in cfg.gammas:
-                accepted_on_set[gamma, temperature] = measure_acceptance(
-                    target.model, draft.model, measured_prompts, gamma, temperature,
-                    cfg.new_tokens, cfg.seed)
-
+    target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes)
+    if target.layers < target.layers_full:
+        predictor = None  # the fit predicts the full model, not a slice
+    accepted_on_set = acceptance_pass(cfg, target.model, draft.model, inputs)
     timer = ConfigurationTimer(cfg, target.model, draft.model, inputs, vocab, rng, predictor, sweep_step,
                                accepted_on_set)
-    runs = []
-    for batch in cfg.batches:
-        decoders = timer.decoders(batch)
-        for temperature in cfg.temperatures:
-            for alpha in alphas:
-                for gamma in cfg.gammas:
-                    runs.append(timer.run(decoders, gamma, temperature, alpha))
-        del decoders
-        memory.release()
+    alphas = cfg.alphas if cfg.mode == "emulated-acceptance" else (None,)
+    runs = timer.grid([(b, t, a, g) for b in cfg.batches for t in cfg.temperatures for a in alphas
+                       for g in cfg.gammas])
     context = cfg.context if inputs.ids is None else round(statistics.mean(r["context"] for r in runs))
     # The configurations the fit recommends, as the verdict will choose them, timed where not yet.
     wanted = recommendations(cfg, predictor, context, {"acceptance": list(accepted_on_set.values()),
                                                        "prompts": {"name": inputs.name}, "runs": []})
-    for batch in cfg.batches:
-        missing = [(t, a, g) for (b, t, a, g) in wanted if b == batch and not any(
-            (r["batch"], r["temperature"], r["gamma"]) == (b, t, g) and (a is None or r["alpha"] == a)
-            for r in runs)]
-        if missing:
-            decoders = timer.decoders(batch)
-            runs += [timer.run(decoders, g, t, a) for t, a, g in missing]
-            del decoders
-            memory.release()
+    runs += timer.grid(sorted((w for w in wanted if not any(_is(r, w) for r in runs)),
+                              key=lambda w: (w[0], w[1], w[3])))
     for run in runs:
-        run["recommended"] = any((run["batch"], run["temperature"], run["gamma"]) == (b, t, g)
-                                 and (a is None or run["alpha"] == a) for (b, t, a, g) in wanted)
+        run["recommended"] = any(_is(run, w) for w in wanted)
     document = {
         "target": target.source.name,
         "draft": target.source.name if cfg.mode == "self-draft" else cfg.draft,
@@ -579,9 +541,58 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         "runs": runs,
         "acceptance": list(accepted_on_set.values()),
         "layers": {"target": target.layers, "target_full": target.layers_full,
-                   "draft": draft.layers, "draft_full": draft.layers_full, "sliced": sliced},
+                   "draft": draft.layers, "draft_full": draft.layers_full,
+                   "sliced": target.layers < target.layers_full},
         "memory": memory.record(need, available_bytes),
     }
     del target, draft
     memory.release()
     return document
+
+
+def _is(run: dict, configuration: tuple) -> bool:
+    """Whether a run is the configuration (batch, temperature, imposed alpha or None, gamma)."""
+    batch, temperature, alpha, gamma = configuration
+    return ((run["batch"], run["temperature"], run["gamma"]) == (batch, temperature, gamma)
+            and (alpha is None or run["alpha"] == alpha))
+
+
+def prepare_models(cfg: SpecConfig, available_bytes: int | None):
+    """(target, drafter, prompt ids, memory estimate, shared vocabulary) of a spec run, the models
+    materialised at the depth that fits; refuses what cannot be measured meaningfully."""
+    from mac_moesd.inputs import models
+
+    target_src = models.resolve(cfg.target)
+    draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
+    inputs = prompt_ids(cfg, target_src, draft_src)
+    longest = max(map(len, inputs.ids)) if inputs.ids else None
+    target, draft, need = plan_models(cfg, available_bytes, context=longest)
+    if target.layers < target.layers_full and inputs.ids is not None and cfg.mode == "real":
+        raise MacMoesdError(
+            f"{target_src.name} and its drafter fit in memory only as slices of their layers, "
+            "and a sliced trained model drafts and accepts nothing meaningful: use --mode "
+            "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
+    memory.start_stage()
+    target.materialise()
+    if cfg.mode == "self-draft":
+        draft = target
+    else:
+        draft.materialise()
+    vocab = min(target.config["vocab_size"], draft.config["vocab_size"])
+    if inputs.ids is None and draft.config["vocab_size"] != target.config["vocab_size"]:
+        raise BadInput("target and drafter must share a vocabulary size")
+    # Embedding tables may be padded differently (one tokenizer); every prompt id must fit both.
+    if inputs.ids is not None and max(max(ids) for ids in inputs.ids) >= vocab:
+        raise BadInput(f"the prompts hold token ids past the drafter's or target's vocabulary ({vocab})")
+    return target, draft, inputs, need, vocab
+
+
+def acceptance_pass(cfg: SpecConfig, target, draft, inputs: PromptIds) -> dict:
+    """The untimed pass over the prompt set (``real`` mode with prompts): one
+    ``measure_acceptance`` entry per (gamma, temperature); empty otherwise."""
+    if cfg.mode != "real" or inputs.ids is None:
+        return {}
+    prompts = inputs.ids[: cfg.max_prompts]
+    return {(gamma, temperature): measure_acceptance(target, draft, prompts, gamma, temperature,
+                                                     cfg.new_tokens, cfg.seed)
+            for temperature in cfg.temperatures for gamma in cfg.gammas}
