@@ -242,50 +242,63 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
 
     with server_process.sigterm_as_interrupt():
         if cfg.urls:
-            for name, url in cfg.urls:
-                doc["server"].append(_probe(name, url))
-            store.put("serving", key, doc)
-            for server in doc["server"]:
-                def alive(server=server) -> None:
-                    _probe(server["name"], server["url"])
-
-                measure(server["name"], server["url"], server["models"][0], None,
-                        lambda url=server["url"]: _metrics(url) or {
-                            "reported": False, "why": "the server reported no draft counters (in its responses' "
-                                                      "timings or a /metrics endpoint)"}, alive)
+            _url_legs(cfg, doc, lambda: store.put("serving", key, doc), measure)
         else:
-            launches = [("plain", None)] + ([("sd", draft_folder)] if draft_folder else [])
-            copies = folder / "served-models"
-            served_target, target_note = (server_process.cpu_servable(target_folder, copies) if backend == "cpu"
-                                          else (target_folder, {}))
-            for name, drafter in launches:
-                served_draft, draft_note = ((server_process.cpu_servable(drafter, copies) if backend == "cpu"
-                                             else (drafter, {})) if drafter else (None, {}))
-                server_cfg = server_process.ServerConfig(
-                    name=name, model=served_target, draft=served_draft, gamma=cfg.gamma,
-                    decode_concurrency=max(max(cfg.concurrency), MLX_LM_DECODE_CONCURRENCY),
-                    prompt_concurrency=MLX_LM_PROMPT_CONCURRENCY, command=cfg.command,
-                    ready_timeout_s=cfg.ready_timeout_s,
-                    notes={**target_note, **({"draft_copy": draft_note["served_copy"]} if draft_note else {})})
-                progress(f"starting mlx_lm.server ({name})")
-                with server_process.LaunchedServer(server_cfg, folder) as launched:
-                    doc["server"].append(launched.describe())
-                    store.put("serving", key, doc)
-                    why = ("mlx_lm.server reports no accepted or drafted counts (in its responses or metrics)"
-                           if drafter else "no drafter")
-
-                    def alive(launched=launched) -> None:
-                        if launched.proc.poll() is not None:
-                            raise launched.failure(f"exited (status {launched.proc.returncode}) during a leg")
-
-                    measure(name, launched.url, "default_model", draft_name if drafter else None,
-                            lambda why=why: {"reported": False, "why": why}, alive)
+            _launched_legs(cfg, doc, folder, backend, target_folder, draft_folder, draft_name,
+                           lambda: store.put("serving", key, doc), measure, progress)
         data, source = _fit_source(cfg, store.data)
         doc["predicted"], doc["predicted_reason"] = predictions(doc, data, source)
         doc["crossover_concurrency"], doc["crossover_reason"] = crossover(doc)
         doc["complete"] = True
         store.put("serving", key, doc)
     return doc
+
+
+def _url_legs(cfg: ServingConfig, doc: dict, save: Callable[[], None], measure) -> None:
+    """Every leg of the servers already running at ``cfg.urls``, as they are configured."""
+    for name, url in cfg.urls:
+        doc["server"].append(_probe(name, url))
+    save()
+    for server in doc["server"]:
+        def alive(server=server) -> None:
+            _probe(server["name"], server["url"])
+
+        measure(server["name"], server["url"], server["models"][0], None,
+                lambda url=server["url"]: _metrics(url) or {
+                    "reported": False, "why": "the server reported no draft counters (in its responses' "
+                                              "timings or a /metrics endpoint)"}, alive)
+
+
+def _launched_legs(cfg: ServingConfig, doc: dict, folder: Path, backend: str, target_folder, draft_folder,
+                   draft_name: str | None, save: Callable[[], None], measure, progress) -> None:
+    """Every leg of mlx_lm.server launched here, plain and (with a drafter) with --draft-model;
+    on the CPU backend each serves a float32 copy (``server_process.cpu_servable``)."""
+    launches = [("plain", None)] + ([("sd", draft_folder)] if draft_folder else [])
+    copies = folder / "served-models"
+    served_target, target_note = (server_process.cpu_servable(target_folder, copies) if backend == "cpu"
+                                  else (target_folder, {}))
+    for name, drafter in launches:
+        served_draft, draft_note = ((server_process.cpu_servable(drafter, copies) if backend == "cpu"
+                                     else (drafter, {})) if drafter else (None, {}))
+        server_cfg = server_process.ServerConfig(
+            name=name, model=served_target, draft=served_draft, gamma=cfg.gamma,
+            decode_concurrency=max(max(cfg.concurrency), MLX_LM_DECODE_CONCURRENCY),
+            prompt_concurrency=MLX_LM_PROMPT_CONCURRENCY, command=cfg.command,
+            ready_timeout_s=cfg.ready_timeout_s,
+            notes={**target_note, **({"draft_copy": draft_note["served_copy"]} if draft_note else {})})
+        progress(f"starting mlx_lm.server ({name})")
+        with server_process.LaunchedServer(server_cfg, folder) as launched:
+            doc["server"].append(launched.describe())
+            save()
+            why = ("mlx_lm.server reports no accepted or drafted counts (in its responses or metrics)"
+                   if drafter else "no drafter")
+
+            def alive(launched=launched) -> None:
+                if launched.proc.poll() is not None:
+                    raise launched.failure(f"exited (status {launched.proc.returncode}) during a leg")
+
+            measure(name, launched.url, "default_model", draft_name if drafter else None,
+                    lambda why=why: {"reported": False, "why": why}, alive)
 
 
 # ---- the stage of `mac-moesd run --serving` ----
