@@ -10,7 +10,7 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, Concate
 from mac_moesd import mlxlm_compat
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.measure import cache_copy
-from mac_moesd.measure.sweep import RolledBackCache
+from mac_moesd.measure.rolled_cache import RolledBackCache
 
 HEAD = 64  # QuantizedKVCache quantizes groups of 32 along the head
 

@@ -30,7 +30,8 @@ import mlx.core as mx
 
 from mac_moesd.analysis import theory
 from mac_moesd.measure import timing
-from mac_moesd.measure.sweep import RolledBackCache, forward_point, pipelined_point, reject_point
+from mac_moesd.measure.rolled_cache import RolledBackCache
+from mac_moesd.measure.sweep import forward_point, pipelined_point, reject_point
 
 __all__ = ["RoundParts", "round_prediction"]
 

@@ -44,7 +44,7 @@ from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
 from mac_moesd.measure.round_parts import RoundParts, round_prediction
 from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt
-from mac_moesd.measure.sweep import PREFILL_CHUNK
+from mac_moesd.measure.rolled_cache import PREFILL_CHUNK
 
 __all__ = ["SpecConfig", "run_spec"]
 

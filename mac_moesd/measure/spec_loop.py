@@ -30,7 +30,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from mac_moesd.measure import timing
 from mac_moesd.measure.sampling import random_ids, rejection_sample
-from mac_moesd.measure.sweep import RolledBackCache
+from mac_moesd.measure.rolled_cache import RolledBackCache
 
 __all__ = ["Decoded", "Decoder", "common_prompt"]
 

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mac_moesd.analysis.depth import extrapolate, second_context_points
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import cache_copy, routing, timing
+from mac_moesd.measure.rolled_cache import PREFILL_CHUNK, RolledBackCache, batch_caches
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.progress import Progress
@@ -40,7 +41,6 @@ from mac_moesd.measure.sampling import random_ids, rejection_sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
-PREFILL_CHUNK = 512
 PIPELINED_STEPS = 8  # forwards per pipelined sample of t > 1 tokens (verify-sized windows)
 # The second context is the first over this. The KV term's share of a step is small (on the CPU
 # backend at L = 64, 0.2-1.2 us per cached token per sequence against 10-35 ms steps), so the
@@ -139,70 +139,6 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
 
 
 # ---- one model at one slice ----
-
-
-class RolledBackCache:
-    """A prompt cache prefilled to ``context``; ``rollback`` undoes the last forward, ``reset``
-    everything since the prefill. ``prompt`` (batch, context) defaults to random token ids. Every
-    cache class of mlx-lm 0.32 is handled (``cache_copy``); another is refused when copied."""
-
-    def __init__(self, model, batch: int, context: int, vocab: int, prompt: mx.array | None = None):
-        self.cache = make_prompt_cache(model)
-        self.batch, self.context = batch, context
-        if prompt is None:
-            prompt = mx.random.randint(0, vocab, (batch, context))
-        for start in range(0, context, PREFILL_CHUNK):
-            model(prompt[:, start : start + PREFILL_CHUNK], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        self.trimmable = can_trim_prompt_cache(self.cache)
-        # Snapshot for caches that cannot trim: copies, since the caches write their arrays in place.
-        self.snapshot = None if self.trimmable else [cache_copy.copy_cache(c) for c in self.cache]
-
-    def rollback(self, tokens: int) -> None:
-        if self.trimmable:
-            trim_prompt_cache(self.cache, tokens)
-        else:
-            for c, saved in zip(self.cache, self.snapshot):
-                cache_copy.restore(c, saved)
-        offsets = set(cache_copy.offsets(self.cache))
-        if offsets - {self.context}:
-            raise MacMoesdError(f"KV cache not restored: offsets {sorted(offsets)}, want {self.context}")
-
-    def reset(self) -> None:
-        self.rollback(max(cache_copy.offsets(self.cache), default=self.context) - self.context)
-
-    def rows(self, batch: int) -> RolledBackCache:
-        """The first ``batch`` sequences as a cache of their own (copies of their rows: every
-        per-sequence array holds the batch on axis 0), so one prefill serves every smaller batch."""
-        self.reset()
-        out = object.__new__(RolledBackCache)
-        out.batch, out.context, out.trimmable = batch, self.context, self.trimmable
-        out.cache = [cache_copy.copy_cache(c, batch) for c in self.cache]
-        out.snapshot = None if self.snapshot is None else [cache_copy.copy_cache(s, batch) for s in self.snapshot]
-        mx.eval(cache_copy.arrays(out.cache), cache_copy.arrays(out.snapshot or []))
-        return out
-
-    def shortened(self, batch: int, context: int) -> RolledBackCache | None:
-        """The first ``batch`` sequences trimmed back to their first ``context`` tokens, as a cache
-        of their own: the same prompt at a shorter context, with no second prefill. None where
-        the cache cannot go back that far (``can_shorten`` says so before any prefill)."""
-        if not self.trimmable:
-            return None
-        out = self.rows(batch)
-        trim_prompt_cache(out.cache, self.context - context)
-        if set(cache_copy.offsets(out.cache)) != {context}:
-            return None
-        out.context = context
-        return out
-
-    def state(self) -> list:
-        return [c.state for c in self.cache]
-
-
-def batch_caches(parent: RolledBackCache, batches) -> dict[int, RolledBackCache]:
-    """A cache per batch on one prefill: ``parent`` for its own batch, copies of its first rows
-    for the smaller ones (made largest first, before anything is timed)."""
-    return {b: parent if b == parent.batch else parent.rows(b) for b in sorted(set(batches), reverse=True)}
 
 
 def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
