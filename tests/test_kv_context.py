@@ -138,6 +138,7 @@ def test_the_sweep_times_one_token_points_at_the_second_context_and_keeps_them_w
     assert none["kv_points"]["context"] == 8
 
 
+@pytest.mark.slow
 def test_a_file_made_before_second_contexts_keeps_its_grid_and_scales_them_by_their_twins(tmp_path):
     cfg = sweep.SweepConfig(model="tiny-moe", batches=(1, 2), tokens=(1, 2), context=16, budget=TINY_BUDGET)
     store = ResultsStore(tmp_path / "results.json", {})

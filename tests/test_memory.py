@@ -117,6 +117,7 @@ def test_memory_limit_slices_then_refuses(tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_four_bit_sweep_json_is_one_document(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mac_moesd", "sweep", "tiny-moe", "--bits", "4", "--batch", "1",

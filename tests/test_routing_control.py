@@ -209,6 +209,7 @@ def test_sweep_uniform_routing_activates_n_of_bt(deep_moe, tmp_path):
     assert len(keys) == 3 and sum("routing=" in k for k in keys) == 2
 
 
+@pytest.mark.slow
 def test_resumed_forced_sweep_keeps_its_points(tmp_path):
     args = ["tiny-moe", "--routing", "uniform", "--batch", "1", "--tokens", "1,2", *QUICK, "--out", tmp_path]
     first = sweep_json(*args)
@@ -216,6 +217,7 @@ def test_resumed_forced_sweep_keeps_its_points(tmp_path):
     assert first["points"] == again["points"]  # nothing re-measured
 
 
+@pytest.mark.slow
 def test_gather_sorted_runs_and_is_recorded(tmp_path):
     doc = sweep_json("tiny-moe", "--gather", "sorted", "--batch", "1,2", "--tokens", "1,2", *QUICK,
                      "--out", tmp_path)

@@ -523,6 +523,7 @@ class FitDocument(TypedDict, total=False):
     paper_comparison: list[PaperComparison]
     communication: FitCommunication | None
     cluster: FitCluster | None
+    thermal_pressure: ThermalPressure | None  # around the fit stage of a run
 
 
 # ---- spec (§7.10) ----
