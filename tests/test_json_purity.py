@@ -26,13 +26,13 @@ def json_of(tmp_path: Path, *args: str) -> dict:
     return json.loads(done.stdout)  # the whole of stdout is one document
 
 
-# Three commands in the default suite (a process each costs an MLX import); the rest in the slow one.
+# Two commands in the default suite (a process each costs an MLX import); the rest in the slow one.
 FAST = {
     "theory": ["theory", "--experts", "8", "--top-k", "2"],
-    "fit": ["fit", "{results}"],
     "run --dry-run": ["run", "--quick", "--dry-run", "--chip", "Apple M1", "--memory", "8"],
 }
 OTHERS = {
+    "fit": ["fit", "{results}"],
     "info": ["info"],
     "zoo": ["zoo"],
     "compare": ["compare", "{folder}"],

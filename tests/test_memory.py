@@ -93,6 +93,7 @@ def test_kv_slots_replay_mlx_lm_kvcache_growth():
         assert memory.kv_slots(forwards)[0] == cache.keys.shape[2], forwards
 
 
+@pytest.mark.slow
 def test_sweep_records_peak_within_its_estimate(tmp_path):
     from mac_moesd.results import ResultsStore
 

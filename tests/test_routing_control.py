@@ -324,6 +324,7 @@ def what_if_results(tmp_path_factory):
     return load_results(path)
 
 
+@pytest.mark.slow
 def test_digest_keeps_the_as_run_sweep_first(what_if_results):
     d = Digest(what_if_results)
     (view,) = d.models
@@ -331,6 +332,7 @@ def test_digest_keeps_the_as_run_sweep_first(what_if_results):
     assert [(v.routing, v.gather) for v in d.what_ifs(view)] == [("model", "sorted"), ("uniform", "mlx-lm")]
 
 
+@pytest.mark.slow
 def test_report_compares_the_gathers_when_both_were_measured(what_if_results, tmp_path):
     paths = report.write_report(what_if_results, tmp_path)
     text = paths["markdown"].read_text()

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import pytest
 
 from mac_moesd.inputs import models, prompts
 
 SCRIPT = Path(__file__).parents[1] / "tools" / "train_tiny_pair.py"
 
 
+@pytest.mark.slow
 def test_a_few_steps_write_a_pair_mlx_lm_loads(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "3", "--draft-steps", "2",
                            "--corpus-chars", "150000"], capture_output=True, text=True, timeout=300)
