@@ -172,19 +172,18 @@ def _break_even(row: dict) -> str:
     return " " + ", and ".join(parts) + "."
 
 
-def _verdict_line(prompt_set: str, row: dict) -> str:
+def _verdict_line(prompt_set: str, row: dict, run: dict | None) -> str:
     """One verdict sentence at batch 1: the measurement first where the recommended configuration
-    was timed, with the prediction beside it and whether they agree; else the prediction,
-    labelled as such."""
+    was timed (``run``), with the prediction beside it and whether they agree; else the
+    prediction, labelled as such."""
     where = f"On {prompt_set} at temperature {row['temperature']:g}"
     predicted = f"predicted {row['predicted_speedup']:.2f} at alpha {row['alpha']:.2f}"
     why = "" if row["pays_off"] else f" The model's deciding term is {_why_not(row)}."
-    if "measured_speedup" not in row:
+    if run is None:
         return (f"{where}: prediction only (gamma {row['gamma']} was not timed): SD "
                 f"{'pays off' if row['pays_off'] else 'does not pay off'} with best gamma {row['gamma']}, "
                 f"{predicted}.{why}{_break_even(row)}")
-    run = {**row, "pairs": row.get("pairs")}
-    text = (f"{where}: **measured at batch 1 with gamma = {row['gamma']}: {_worth(row)}**, "
+    text = (f"{where}: **measured at batch 1 with gamma = {row['gamma']}: {_worth(run)}**, "
             f"{measured_speedup(run)}; the fitted model {predicted} "
             f"({'agrees' if row['agrees'] else 'disagrees'}).")
     differs = row.get("differs_most")
@@ -208,20 +207,17 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
         accepted = spec_runs.measured_acceptance(doc)
         for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches, runs=doc["runs"]):
             run = verdict.timed_run(doc["runs"], row)
-            if run is not None:
-                row.update(pairs=run.get("pairs"), precision_met=run.get("precision_met"),
-                           speedup_range=run.get("speedup_range"), repeats=run.get("repeats"))
             fastest = max(_timed(doc, row), key=lambda r: r["measured_speedup"], default=None)
             rows.append([prompt_set, f"{row['temperature']:g}", row["rule"], f"{row['alpha']:.2f}",
                          str(row["batch"]), str(row["gamma"]),
-                         "not timed" if run is None else measured_speedup(row),
+                         "not timed" if run is None else measured_speedup(run),
                          f"{row['predicted_speedup']:.2f}",
                          "-" if run is None else ("yes" if row["agrees"] else "no"),
                          "-" if fastest is None else f"{fastest['measured_speedup']:.2f} (gamma {fastest['gamma']})",
                          "-" if row.get("break_even_alpha") is None else f"{row['break_even_alpha']:.2f}",
                          "-" if row.get("break_even_draft_ratio") is None else f"{row['break_even_draft_ratio']:.2f}"])
             if row["batch"] == 1 and row["rule"] != "rejection":
-                lines.append(_verdict_line(prompt_set, row))
+                lines.append(_verdict_line(prompt_set, row, run))
     blocks.append(("list", lines))
     blocks.append(("table", ["prompt set", "temperature", "acceptance rule", "alpha", "B", "best gamma",
                              "measured S", "predicted S", "agree", "best measured S",
