@@ -72,7 +72,7 @@ def resolve(model: str) -> ModelSource:
         # Named by its repo id: the snapshot folder's own name is a revision hash.
         return replace(resolve(str(cached)), name=model)
     entry = zoo.by_name(model)
-    return ModelSource(entry.name, copy.deepcopy(entry.config))
+    return ModelSource(entry.name, zoo.normalise(entry.config))
 
 
 def _listed(names: list[str]) -> str:
@@ -283,12 +283,19 @@ def mlx_lm_quiet():
         yield
 
 
-def _slice_config(config: dict, layers: int) -> dict:
-    sliced = copy.deepcopy(config)
-    sliced["num_hidden_layers"] = layers
-    if isinstance(sliced.get("layer_types"), list):
-        sliced["layer_types"] = sliced["layer_types"][:layers]
-    return sliced
+def _random_routers(model: nn.Module, shape: tuple[int, int] | None) -> None:
+    """Give zero-initialised routers random weights, as ``nn.Linear`` initialises its own. mlx-lm
+    builds the routers of several families (DeepSeek, GLM-4.5, Nemotron-H, ...) as zeros, to be
+    overwritten by a checkpoint; with random weights they would send every token to the same
+    K experts, and every sweep and routing count would time the cheapest MoE there is."""
+    if shape is None:
+        return
+    for _, module in model.named_modules():
+        weight = module.get("weight") if isinstance(module, nn.Module) else None
+        if (type(module).__name__.endswith("Gate") and isinstance(weight, mx.array) and weight.ndim == 2
+                and weight.shape[0] == shape[0]):
+            bound = weight.shape[1] ** -0.5
+            module.weight = mx.random.uniform(-bound, bound, weight.shape, dtype=weight.dtype)
 
 
 def default_dtype() -> str:
@@ -335,14 +342,15 @@ def build(
     layers = layers or layers_full
     if not 1 <= layers <= layers_full:
         raise MacMoesdError(f"--layers must be in 1..{layers_full} for {source.name}, got {layers}")
-    config = _slice_config(source.config, layers)
+    config = zoo.slice_config(source.config, layers)
     mx.random.seed(seed)
     try:
         if source.has_weights:
             model = _load(source.weights_dir, source.name, config)
         else:
             model_class, args_class = mlxlm_compat.model_classes(config)
-            model = model_class(args_class.from_dict(config))
+            model = model_class(args_class.from_dict(copy.deepcopy(config)))
+            _random_routers(model, zoo.expert_shape(config))
     except (ValueError, TypeError, KeyError) as err:  # unsupported model_type, missing config keys
         raise MacMoesdError(f"cannot build {source.name} from its config: {err}") from None
     already_quantized = "quantization" in source.config and source.has_weights

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["ZOO", "ZooEntry", "by_name", "expert_shape", "miniature"]
+__all__ = ["ZOO", "ZooEntry", "by_name", "expert_shape", "miniature", "normalise", "slice_config"]
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
@@ -28,9 +28,52 @@ class ZooEntry:
     config: dict = field(repr=False)
     source: str = ""  # where the dimensions come from
 
+    def __post_init__(self):
+        object.__setattr__(self, "config", normalise(self.config))  # read as every config is
+
     @property
     def model_type(self) -> str:
         return self.config["model_type"]
+
+
+def normalise(config: dict) -> dict:
+    """The config as the suite reads it, still one mlx-lm builds: a multimodal checkpoint's text
+    model fields (under ``text_config``, as Qwen3.5/3.6 ship them) also at the top, where they
+    win as mlx-lm reads them from there (``model_type`` stays the checkpoint's); a layer pattern
+    (``hybrid_override_pattern``, Nemotron-H) gives the layer count, as in mlx-lm."""
+    out = copy.deepcopy(config)
+    text = out.get("text_config")
+    if isinstance(text, dict):
+        out.update({k: copy.deepcopy(v) for k, v in text.items() if k != "model_type"})
+    pattern = out.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        out["num_hidden_layers"] = len(pattern)
+    return out
+
+
+def slice_config(config: dict, layers: int) -> dict:
+    """A (normalised) config of the same model cut to its first ``layers`` decoder layers, with
+    every per-layer list and pattern cut alike, nested ones included. A slice of a hybrid that
+    would keep none of its attention layers (or, on Nemotron-H, none of its Mamba ones) is
+    refused: mlx-lm's hybrids index their first such layer."""
+    sliced = copy.deepcopy(config)
+    for where in (sliced, sliced.get("text_config")):
+        if not isinstance(where, dict):
+            continue
+        where["num_hidden_layers"] = layers
+        if isinstance(where.get("layer_types"), list):
+            where["layer_types"] = where["layer_types"][:layers]
+        if isinstance(where.get("hybrid_override_pattern"), str):
+            where["hybrid_override_pattern"] = where["hybrid_override_pattern"][:layers]
+    interval = sliced.get("full_attention_interval")
+    if interval and layers < interval and not sliced.get("layer_types"):
+        raise MacMoesdError(f"a {layers}-layer slice of this hybrid keeps no full-attention layer (one in every "
+                            f"{interval}): slice it to {interval} layers or more")
+    pattern = sliced.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and not ("*" in pattern and "M" in pattern):
+        raise MacMoesdError(f"a {layers}-layer slice of this hybrid ({pattern!r}) lacks an attention (*) or a "
+                            "Mamba (M) block, which mlx-lm's Nemotron-H needs")
+    return sliced
 
 
 def expert_shape(config: dict) -> tuple[int, int] | None:
@@ -131,6 +174,74 @@ ZOO: tuple[ZooEntry, ...] = (
             "beta_fast": 32.0, "beta_slow": 1.0,
         },
     }, _hf("openai/gpt-oss-20b")),
+    # The hybrid and sliding-window MoEs Mac users run at the end of 2026 (docs/design.md §4.7):
+    # GatedDeltaNet linear attention with full attention every 4th layer (Qwen3.6, Qwen3-Next),
+    # 128-token sliding windows on every other layer (gpt-oss), Mamba2 blocks (Nemotron-3 Nano).
+    ZooEntry("qwen3.6-35b-a3b", "moe", {
+        "model_type": "qwen3_5_moe",
+        "text_config": {
+            "attention_bias": False, "full_attention_interval": 4, "head_dim": 256,
+            "hidden_size": 2048, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+            "max_position_embeddings": 262144, "model_type": "qwen3_5_moe_text",
+            "moe_intermediate_size": 512, "num_attention_heads": 16, "num_experts": 256,
+            "num_experts_per_tok": 8, "num_hidden_layers": 40, "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+            "rope_parameters": {
+                "mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_type": "default",
+            },
+            "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "vocab_size": 248320,
+        },
+        "tie_word_embeddings": False,
+    }, _hf("Qwen/Qwen3.6-35B-A3B")),
+    ZooEntry("qwen3-next-80b-a3b", "moe", {
+        "model_type": "qwen3_next", "decoder_sparse_step": 1, "full_attention_interval": 4,
+        "head_dim": 256, "hidden_size": 2048, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+        "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16,
+        "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+        "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 10000000, "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False, "vocab_size": 151936,
+    }, _hf("Qwen/Qwen3-Next-80B-A3B-Instruct")),
+    ZooEntry("gpt-oss-120b", "moe", {
+        "model_type": "gpt_oss", "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+        "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
+        "num_key_value_heads": 8, "num_local_experts": 128, "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False,
+        },
+        "rope_theta": 150000, "sliding_window": 128, "tie_word_embeddings": False,
+        "vocab_size": 201088,
+    }, _hf("openai/gpt-oss-120b")),
+    ZooEntry("glm-4.5-air", "moe", {
+        "model_type": "glm4_moe", "attention_bias": True, "first_k_dense_replace": 1, "head_dim": 128,
+        "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072,
+        "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1,
+        "use_qk_norm": False, "vocab_size": 151552,
+    }, _hf("zai-org/GLM-4.5-Air")),
+    ZooEntry("nemotron-3-nano-30b-a3b", "moe", {
+        "model_type": "nemotron_h", "attention_bias": False, "conv_kernel": 4, "head_dim": 128,
+        "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "intermediate_size": 1856, "layer_norm_epsilon": 1e-05, "mamba_head_dim": 64,
+        "mamba_num_heads": 64, "mamba_proj_bias": False, "max_position_embeddings": 262144,
+        "mlp_bias": False, "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
+        "n_group": 1, "n_groups": 8, "n_routed_experts": 128, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_attention_heads": 32, "num_experts_per_tok": 6,
+        "num_hidden_layers": 52, "num_key_value_heads": 2, "routed_scaling_factor": 2.5,
+        "ssm_state_size": 128, "tie_word_embeddings": False, "time_step_max": 0.1,
+        "time_step_min": 0.001, "topk_group": 1, "use_bias": False, "use_conv_bias": True,
+        "vocab_size": 131072,
+    }, _hf("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16")),
     ZooEntry("qwen2.5-14b", "dense", {
         "model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers": 48,
         "intermediate_size": 13824, "num_attention_heads": 40, "num_key_value_heads": 8,
@@ -180,6 +291,43 @@ ZOO: tuple[ZooEntry, ...] = (
         "head_dim": 64, "vocab_size": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 4096, "tie_word_embeddings": False,
     }, "test config, Qwen3-MoE architecture"),
+    # CI-sized twins of the hybrid and sliding-window MoEs (docs/design.md §4.7): the rollback of
+    # SD on each cache kind mlx-lm has, in seconds. Vocabulary 4096: tiny-draft drafts for them.
+    ZooEntry("tiny-hybrid-moe", "test", {
+        "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text", "hidden_size": 256, "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"], "full_attention_interval": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "num_experts": 16,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+            "intermediate_size": 512, "norm_topk_prob": True, "vocab_size": 4096, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        },
+    }, "test config, Qwen3.5-MoE architecture (nested, GatedDeltaNet + full attention every 4th layer)"),
+    ZooEntry("tiny-swa-moe", "test", {
+        "model_type": "gpt_oss", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_local_experts": 16, "num_experts_per_tok": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "vocab_size": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "max_position_embeddings": 4096, "swiglu_limit": 7.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+    }, "test config, gpt-oss architecture (16-token sliding window every other layer)"),
+    ZooEntry("tiny-mamba-moe", "test", {
+        "model_type": "nemotron_h", "hidden_size": 256, "hybrid_override_pattern": "MEM*EM-E",
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 32, "conv_kernel": 4, "n_groups": 2,
+        "chunk_size": 128, "use_conv_bias": True, "use_bias": False, "mamba_proj_bias": False, "mlp_bias": False,
+        "mlp_hidden_act": "relu2", "attention_bias": False, "layer_norm_epsilon": 1e-5,
+        "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "n_shared_experts": 1, "moe_shared_expert_intermediate_size": 256, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "time_step_min": 0.001, "time_step_max": 0.1,
+        "vocab_size": 4096, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    }, "test config, Nemotron-H architecture (Mamba2, attention and MoE blocks from its pattern)"),
     ZooEntry("tiny-dense", "test", {
         "model_type": "qwen3", "hidden_size": 512, "num_hidden_layers": 4,
         "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,
@@ -214,15 +362,32 @@ _MINIATURE = {
 }
 
 
+# Linear-attention and Mamba widths at test size (their kernels want head sizes of 32).
+_MINIATURE_HYBRID = {
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 32,
+    "n_groups": 2, "moe_shared_expert_intermediate_size": 32, "sliding_window": 16,
+}
+
+
 def miniature(config: dict, layers: int = 2, experts: int = 8, top_k: int = 2) -> dict:
-    """The same architecture at test width: what every-architecture tests build."""
-    small = copy.deepcopy(config)
+    """The same architecture at test width: what every-architecture tests build. A hybrid keeps
+    enough layers for one of each kind (a full-attention layer every ``full_attention_interval``)."""
+    small = normalise(config)
+    layers = max(layers, small.get("full_attention_interval") or 0)
+    pattern = small.get("hybrid_override_pattern")
+    if isinstance(pattern, str):  # the shortest prefix with a block of every kind
+        layers = max(layers, max(pattern.index(kind) + 1 for kind in set(pattern)))
+    for where in (small, small.get("text_config")):
+        if isinstance(where, dict):
+            _shrink(where, layers, experts, top_k)
+    return slice_config(small, layers)
+
+
+def _shrink(small: dict, layers: int, experts: int, top_k: int) -> None:
     for key, value in _MINIATURE.items():
         if key in small and small[key] is not None:
             small[key] = value
-    small["num_hidden_layers"] = layers
-    if "layer_types" in small:
-        small["layer_types"] = small["layer_types"][:layers]
     if small.get("first_k_dense_replace"):
         small["first_k_dense_replace"] = min(small["first_k_dense_replace"], layers - 1)
     for key in EXPERT_KEYS:
@@ -233,7 +398,9 @@ def miniature(config: dict, layers: int = 2, experts: int = 8, top_k: int = 2) -
             small[key] = top_k
     if (small.get("n_group") or 1) > 1:  # grouped routing (DeepSeek-V3): two groups, one chosen
         small["n_group"], small["topk_group"] = 2, 1
-    return small
+    for key, value in _MINIATURE_HYBRID.items():
+        if key in small:
+            small[key] = value
 
 
 REQUIRED_KEYS = ("num_hidden_layers", "vocab_size", "hidden_size")
@@ -249,6 +416,7 @@ def read_config(path: Path) -> dict:
         raise MacMoesdError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise MacMoesdError(f"{path} has no 'model_type': not a model config.json")
+    config = normalise(config)
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise MacMoesdError(f"{path} lacks {', '.join(map(repr, missing))}")

@@ -2,18 +2,19 @@
 
 The sweep times forwards over it (and over copies of its first rows, one prefill serving every
 smaller batch), and the SD loops decode from it and go back to the prefill between runs. Every
-cache class of mlx-lm 0.32 is handled (``cache_copy``): a cache that can trim is trimmed back, one
-that cannot (a full sliding window) is restored from a snapshot; the offsets are checked after
-every rollback.
+cache class of mlx-lm 0.32 is handled (``cache_copy``): a cache of plain KV layers is trimmed back;
+one with a sliding window or a recurrent state (which may not trim, or trim nothing at all) is
+restored from a snapshot; the offsets are checked after every rollback.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.measure import cache_copy
+from mac_moesd.measure.rollback import leaf_kind, leaves
 
 __all__ = ["PREFILL_CHUNK", "RolledBackCache", "batch_caches"]
 
@@ -33,8 +34,10 @@ class RolledBackCache:
         for start in range(0, context, PREFILL_CHUNK):
             model(prompt[:, start : start + PREFILL_CHUNK], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        self.trimmable = can_trim_prompt_cache(self.cache)
-        # Snapshot for caches that cannot trim: copies, since the caches write their arrays in place.
+        # Only plain KV layers trim back whatever the decode did (a window stops trimming once
+        # full; a recurrent state never trims, and mlx-lm then trims no layer at all).
+        self.trimmable = all(leaf_kind(leaf) == "kv" for leaf in leaves(self.cache))
+        # Snapshot for the others: copies, since the caches write their arrays in place.
         self.snapshot = None if self.trimmable else [cache_copy.copy_cache(c) for c in self.cache]
 
     def rollback(self, tokens: int) -> None:
