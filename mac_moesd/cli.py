@@ -5,6 +5,7 @@ progress). Nothing else lives here."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -12,7 +13,8 @@ import click
 from mac_moesd import __version__
 from mac_moesd.analysis import theory
 from mac_moesd.cli_options import (NumberList, UrlPair, budget_options, cluster_options, dry_run_options, json_option,
-                                   memory_limit_option, out_option, precision_options, run_options, with_options)
+                                   memory_limit_option, out_option, precision_options, rollback_option, run_options,
+                                   with_options)
 from mac_moesd.console import Cli, ProgressBar, emit, finish_run, warn
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.reporting.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
@@ -224,16 +226,21 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
               show_default=True, help="Sampling temperatures, e.g. 0,1 (above 0: --mode real, seeded).")
 @click.option("--max-prompts", type=click.IntRange(min=1), default=None,
               help="Prompts of the set the untimed acceptance pass decodes [default: all].")
+@rollback_option
 @memory_limit_option
 @out_option()
 @json_option
 def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, precision,
-                 budget_s, prompts, temperatures, max_prompts, memory_limit, out, as_json) -> None:
+                 budget_s, prompts, temperatures, max_prompts, rollback, memory_limit, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction.
 
     With --mode real on a model with weights, also the drafter's acceptance on a prompt set
     (per draft position, mean accepted length, sigma, alpha; at temperature > 0 under mlx-lm's
     rule and exact rejection sampling) and, at temperature 0, whether SD output equals greedy.
+
+    Every configuration is audited: its caches after a decode must equal plain decoding's, and
+    at temperature 0 its output greedy's but for float near-ties. Exits 1 when one fails (the
+    results are written, marked invalid).
     """
     from mac_moesd.measure.spec import SpecConfig
     from mac_moesd.pipeline import commands
@@ -241,8 +248,12 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
                      precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
-                     max_prompts=max_prompts)
-    emit(commands.run_spec(cfg, memory_limit, out, warn), as_json, render_spec)
+                     max_prompts=max_prompts, rollback=rollback)
+    document = commands.run_spec(cfg, memory_limit, out, warn)
+    emit(document, as_json, render_spec)
+    if document.get("valid") is False:
+        raise MacMoesdError("a configuration failed its SD audit (see INVALID above): its speedup is not "
+                            "a measurement of speculative decoding")
 
 
 @cli.command(name="serving")
@@ -315,9 +326,10 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
 @with_options(dry_run_options)
 @click.option("--serving", is_flag=True,
               help="Also measure mlx_lm.server on the pair at several concurrencies (see `mac-moesd serving`).")
+@rollback_option
 @json_option
 def run_command(quick, full, models, target, draft, prompt_sets, out, memory_limit, dry_run, chip,
-                memory_gib, ranks, parallel, link_gbps, serving, as_json) -> None:
+                memory_gib, ranks, parallel, link_gbps, serving, rollback, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
 
     With --target and --draft, all of it for your own pair instead: the target's sweep with the
@@ -330,7 +342,8 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
     """
     from mac_moesd.pipeline import commands
 
-    options = run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks, serving)
+    options = replace(run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks,
+                                  serving), rollback=rollback)
     if dry_run:
         cluster = (ranks, parallel, link_gbps) if ranks > 1 else None
         emit(commands.dry_run(options, out, memory_limit, chip, memory_gib, cluster), as_json, render_plan)

@@ -106,6 +106,12 @@ precision_options = [
                  show_default=True, help="...or this many seconds of the configuration are spent."),
 ]
 
+rollback_option = click.option(
+    "--rollback", type=click.Choice(["auto", "re-forward"]), default="auto", show_default=True,
+    help="How SD takes back rejected drafts. auto: trim plain KV caches, cut a full sliding window, "
+         "restore a recurrent (linear-attention, Mamba) state and re-forward the kept tokens; "
+         "re-forward: restore and re-forward on every model (the naive baseline).")
+
 # run --dry-run: another machine, or several
 dry_run_options = [
     click.option("--chip", default=None,

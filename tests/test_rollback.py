@@ -122,9 +122,8 @@ class OwnCache(KVCache):
 
 
 def test_a_cache_class_it_does_not_know_is_refused():
-    parent = RolledBackCache(IdsModel(lambda: [OwnCache()]), 2, 3, 50, PROMPT[:2, :3])
-    with pytest.raises(MacMoesdError, match="cannot copy or roll back a OwnCache cache"):
-        parent.rows(1)
+    with pytest.raises(MacMoesdError, match="cannot roll back a OwnCache cache"):
+        RolledBackCache(IdsModel(lambda: [OwnCache()]), 2, 3, 50, PROMPT[:2, :3])
     with pytest.raises(MacMoesdError, match="cannot copy or roll back a OwnCache cache"):
         cache_copy.copy_cache(CacheList(KVCache(), OwnCache()))
 

@@ -68,6 +68,16 @@ def test_a_round_priced_from_its_timed_parts():
     assert round_prediction(parts, 0.1e-3, 0.8, 4)["hidden_s"] == pytest.approx(0.5e-3)
 
 
+def test_a_rollback_is_priced_by_how_often_a_round_rejects():
+    # A 0.5 ms rollback (a hybrid's restore and re-forward) is paid when some sequence rejects:
+    # at alpha 0.8, gamma 4, batch 1 that is 1 - 0.8^4 = 0.5904 of rounds (0.2952 ms), at batch 2
+    # 1 - 0.8^8 = 0.83223 (0.41611 ms). S at batch 1: 3.3616*0.9/(0.28 + 1.1 + 0.2952) = 1.80609.
+    parts = {"verify": 1.2e-3, "target_step": 1.0e-3, "draft": 0.28e-3, "rollback": 0.5e-3}
+    one = round_prediction(parts, 0.9e-3, 0.8, 4)
+    assert one["rollback_s"] == pytest.approx(0.2952e-3) and one["speedup"] == pytest.approx(1.80609, abs=1e-4)
+    assert round_prediction(parts, 0.9e-3, 0.8, 4, batch=2)["rollback_s"] == pytest.approx(0.41611e-3, abs=1e-8)
+
+
 def test_every_run_records_its_precision_and_both_predictions():
     cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=8,
                           new_tokens=4, repeats=3, precision=0.5, budget_s=0.5)
@@ -78,5 +88,8 @@ def test_every_run_records_its_precision_and_both_predictions():
     assert run["precision_met"] == ((high - low) / 2 / run["measured_speedup"] <= 0.5)
     assert run["predicted_from"] == "measured" and run["predicted_by"]["model"] is None
     assert run["round"]["samples"] == run["pairs"]
-    assert set(run["round"]["median_s"]) == {"verify", "target_step", "draft", "reject"}
+    assert set(run["round"]["median_s"]) == {"verify", "target_step", "draft", "reject", "rollback"}
+    # Plain KV caches trim: the round's rollback is counted, and every run is audited.
+    assert run["round"]["rollback_s"] >= 0 and run["rollback"]["strategy"] in ("none", "trim")
+    assert run["rollback"]["audit"]["ok"] and run["valid"]
     assert run["plain_vs_sweep"] == pytest.approx(run["plain_step_s"])  # a 1 s "sweep" step

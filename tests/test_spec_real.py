@@ -73,7 +73,13 @@ def test_greedy_check_counts_sequences_that_diverge():
     plain = np.array([[1, 2, 3], [4, 0, 6]])
     check = greedy_check([(sd, plain)])
     assert check == {"sequences": 2, "tokens_compared": 6, "mismatched": 1, "mismatch_rate": 0.5,
-                     "first_mismatch_at": [1]}
+                     "first_mismatch_at": [1], "margin": [None], "near_tie": [False], "valid": False}
+    # A mismatch where the target's two best logits tie within float rounding is no error...
+    tie = greedy_check([(sd, plain)], lambda pair, row, at: (1e-6, True))
+    assert tie["valid"] and tie["margin"] == [1e-6] and tie["near_tie"] == [True]
+    # ...one where the target was sure is: the SD loop decoded from another context.
+    assert not greedy_check([(sd, plain)], lambda pair, row, at: (3.5, False))["valid"]
+    assert greedy_check([(plain, plain)])["valid"]  # no mismatch: valid without any margin
 
 
 def test_acceptance_at_temperature_1_under_both_rules(pair):

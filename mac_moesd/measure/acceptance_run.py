@@ -7,8 +7,11 @@ rules' expected acceptance from the same target and drafter distributions: mlx-l
 when the target's sampled token equals the draft) and exact rejection sampling (min(1, p/q)),
 with the ratio of their tokens per round, which is their speedup ratio at equal cost per round.
 At temperature 0 each prompt is also decoded plainly (greedy), and every sequence whose SD
-output differs is counted: on a CPU none may; on a GPU, float16 near-ties can flip an argmax
-between a one-token step and a verify forward, so the rate is reported, not asserted.
+output differs is counted, with the target's margin (top-1 minus top-2 logit, under plain
+decoding) where it first differs. A difference at a float near-tie (``NEAR_TIE``) is rounding:
+a float16 argmax can flip between a one-token step and a verify forward. Any other difference
+means the SD loop decoded from another context than plain decoding did (a rollback that failed,
+a skipped token): the check is then invalid, and so is the run.
 """
 
 from __future__ import annotations
@@ -19,37 +22,63 @@ import numpy as np
 from mac_moesd.analysis import acceptance
 from mac_moesd.measure.spec_loop import Decoder
 
-__all__ = ["greedy_check", "measure_acceptance"]
+__all__ = ["NEAR_TIE", "greedy_check", "logit_margin", "measure_acceptance"]
+
+# A margin at most this fraction of the top logit's magnitude (at least 1) is a float near-tie:
+# a few units in the last place of the dtype the logits come out in (float16 has 11 significant
+# bits, 2^-11 = 4.9e-4; bfloat16 8, 2^-8 = 3.9e-3), times the rounding a forward accumulates over
+# its layers and that two chunkings of the same tokens do not share.
+NEAR_TIE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 4e-2}
 
 
-def greedy_check(pairs) -> dict:
+def logit_margin(model, prompt: mx.array, decoded: np.ndarray, position: int) -> tuple[float, bool]:
+    """The target's top-1 minus top-2 logit for the token at ``position`` of a plain greedy
+    decode ``decoded`` after ``prompt`` (1-D), and whether that margin is a near-tie."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.concatenate([prompt, mx.array(decoded[:position], dtype=prompt.dtype)])
+    logits = model(tokens[None], cache=make_prompt_cache(model))[0, -1]
+    top = mx.sort(logits.astype(mx.float32))[-2:]
+    first, second = float(top[1]), float(top[0])
+    margin = first - second
+    return margin, margin <= NEAR_TIE.get(logits.dtype, NEAR_TIE[mx.float32]) * max(1.0, abs(first))
+
+
+def greedy_check(pairs, margin_of=None) -> dict:
     """Compare SD outputs with plain greedy outputs, sequence by sequence, over the tokens both
-    produced. ``pairs``: (sd, plain) arrays of shape (batch, tokens)."""
+    produced. ``pairs``: (sd, plain) arrays of shape (batch, tokens); ``margin_of(pair, row,
+    position)``: ``logit_margin`` of that sequence (None: mismatches are not explained, and
+    make the check invalid). Per mismatched sequence, in order: where it first differs, the
+    margin there and whether it is a near-tie; ``valid`` when every mismatch is a near-tie."""
     sequences = mismatched = compared = 0
-    first = []
-    for sd, plain in pairs:
+    first, margins, near_ties = [], [], []
+    for index, (sd, plain) in enumerate(pairs):
         n = min(sd.shape[1], plain.shape[1])
-        for row_sd, row_plain in zip(sd[:, :n], plain[:, :n]):
+        for row, (row_sd, row_plain) in enumerate(zip(sd[:, :n], plain[:, :n])):
             sequences += 1
             compared += n
             differs = np.flatnonzero(row_sd != row_plain)
             if differs.size:
                 mismatched += 1
                 first.append(int(differs[0]))
+                margin, tie = margin_of(index, row, int(differs[0])) if margin_of else (None, False)
+                margins.append(margin)
+                near_ties.append(bool(tie))
     return {"sequences": sequences, "tokens_compared": compared, "mismatched": mismatched,
             "mismatch_rate": mismatched / sequences if sequences else None,
-            "first_mismatch_at": first}
+            "first_mismatch_at": first, "margin": margins, "near_tie": near_ties,
+            "valid": all(near_ties)}
 
 
 def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, temperature: float,
-                       new_tokens: int, seed: int = 0) -> dict:
+                       new_tokens: int, seed: int = 0, rollback: str = "auto") -> dict:
     """SD of ``new_tokens`` tokens after each prompt; see the module docstring for what it holds."""
     mx.random.seed(seed)
     counts: list[int] = []
     rules = {rule: ([], []) for rule in acceptance.RULES}
-    pairs = []
+    pairs, prompts = [], []
     for ids in prompt_ids:
-        decoder = Decoder(target, draft, mx.array([ids]))
+        decoder = Decoder(target, draft, mx.array([ids]), rollback=rollback)
         out = decoder.speculative(new_tokens, gamma, "real", temperature=temperature, rules=True)
         counts += out.per_round
         if temperature > 0:
@@ -59,6 +88,7 @@ def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, t
         else:
             decoder.reset()
             pairs.append((out.outputs[:, :new_tokens], decoder.plain(new_tokens).outputs))
+            prompts.append(mx.array(ids))
         del decoder
     entry = {
         "gamma": gamma, "temperature": temperature, "prompts_measured": len(prompt_ids),
@@ -74,5 +104,6 @@ def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, t
         entry["rejection_over_mlx_lm"] = (acceptance.tokens_per_round(expected["rejection"])
                                           / acceptance.tokens_per_round(expected["mlx-lm"]))
     else:
-        entry["greedy_check"] = greedy_check(pairs)
+        entry["greedy_check"] = greedy_check(
+            pairs, lambda i, row, at: logit_margin(target, prompts[i], pairs[i][1][row], at))
     return entry

@@ -10,12 +10,16 @@ order, the forwards a round is made of:
   hides from the verify: the plain decode beside it is the pipelined one-token step);
 - ``draft``: gamma drafter steps chained as the loops chain them (each next graph queued before
   waiting on the current one), the whole draft phase of a round;
-- ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance).
+- ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance);
+- ``rollback``: both models' caches taken back after a round that kept half its drafts
+  (``rollback.Rollback``: a trim, a window cut, or a restore and re-forward of the kept tokens),
+  the verify and draft forwards before it untimed.
 
 ``round_prediction`` turns their medians, the plain decode's own step and the acceptance the
 run realised into MoESD's S(B, gamma) (docs/design.md: the speedup formula):
-  S = Omega * T_plain / (T_draft + T_verify,pipelined + T_rej),
-  T_verify,pipelined = T_verify - min(T_step - T_plain, T_step / 2), at least 0 hidden.
+  S = Omega * T_plain / (T_draft + T_verify,pipelined + T_rej + P_reject * T_rollback),
+  T_verify,pipelined = T_verify - min(T_step - T_plain, T_step / 2), at least 0 hidden,
+  P_reject = 1 - alpha^(gamma B): the chance that some sequence of the batch rejects a draft.
 The forwards run at the prompt's context, the decode at a mean context new_tokens/2 longer; the
 difference is the KV term over those tokens, small beside a forward for the runs timed here.
 """
@@ -24,13 +28,16 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 
 from mac_moesd.analysis import theory
 from mac_moesd.measure import timing
 from mac_moesd.measure.rolled_cache import RolledBackCache
+from mac_moesd.measure.rollback import Rollback
 from mac_moesd.measure.sweep import forward_point, pipelined_point, reject_point
 
 __all__ = ["RoundParts", "round_prediction"]
@@ -44,6 +51,7 @@ class RoundParts:
     gamma: int
     vocab: int
     with_reject: bool
+    rollback: str = "auto"  # rollback.STRATEGIES
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     def time(self, target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache,
@@ -57,10 +65,13 @@ class RoundParts:
         }
         if self.with_reject:
             points["reject"] = reject_point(self.batch, self.gamma, self.vocab)
-        names = list(points)
+        timers = {name: (lambda point=point: timing.finite_time(point)) for name, point in points.items()}
+        timers["rollback"] = rollback_timer(target, draft, target_cache, draft_cache, self.batch, self.gamma,
+                                            self.vocab, self.rollback)
+        names = list(timers)
         rng.shuffle(names)
         for name in names:
-            self.samples.setdefault(name, []).append(timing.finite_time(points[name]))
+            self.samples.setdefault(name, []).append(timers[name]())
         mx.synchronize()
 
     def medians(self) -> dict[str, float]:
@@ -71,15 +82,52 @@ class RoundParts:
                 "median_s": self.medians()}
 
 
-def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, gamma: int) -> dict:
+def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache, batch: int,
+                   gamma: int, vocab: int, strategy: str) -> Callable[[], float]:
+    """One sample (seconds) of both models' rollback after a round that kept the pending token and
+    half the drafts: the drafter's gamma steps and the target's verify run untimed before it, the
+    rollback (and the re-forward it may build) until evaluated is timed, and the caches go back
+    to the prompt after it."""
+    kept = mx.random.randint(0, vocab, (batch, gamma // 2 + 1))
+    verified = mx.concatenate([kept, mx.random.randint(0, vocab, (batch, gamma + 1 - kept.shape[1]))], axis=1)
+    rollbacks = (Rollback(target, target_cache.cache, strategy), Rollback(draft, draft_cache.cache, strategy))
+
+    def sample() -> float:
+        for rollback in rollbacks:
+            rollback.mark()
+        for position in range(gamma):
+            draft(verified[:, position : position + 1], cache=draft_cache.cache)
+        target(verified, cache=target_cache.cache)
+        mx.eval(target_cache.state(), draft_cache.state())
+        start = time.perf_counter()
+        rollbacks[0].undo(gamma + 1, kept)
+        rollbacks[1].undo(gamma, kept)
+        mx.eval(target_cache.state(), draft_cache.state())
+        elapsed = time.perf_counter() - start
+        target_cache.reset()
+        draft_cache.reset()
+        return elapsed
+
+    return sample
+
+
+def reject_probability(alpha: float, gamma: int, batch: int) -> float:
+    """The chance that a round rolls back: some sequence of the batch rejects one of its gamma
+    drafts, each accepted with probability alpha."""
+    return 1.0 - alpha ** (gamma * batch)
+
+
+def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, gamma: int,
+                     batch: int = 1) -> dict:
     """S(B, gamma) from a round's timed parts (``RoundParts.medians``), the plain decode's step
     (seconds per token per sequence batch, pipelined as generation runs it) and the acceptance
     the run realised; with the round's parts as priced."""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
     verify = max(parts["verify"] - hidden, 0.0)
     draft, reject = parts["draft"], parts.get("reject", 0.0)
+    rollback = parts.get("rollback", 0.0) * reject_probability(alpha, gamma, batch)
     omega = float(theory.expected_tokens_per_round(alpha, gamma))
-    round_s = draft + verify + reject
+    round_s = draft + verify + reject + rollback
     return {"speedup": omega * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
-            "draft_s": draft, "reject_s": reject, "round_s": round_s, "hidden_s": hidden,
-            "tokens_per_round": omega}
+            "draft_s": draft, "reject_s": reject, "rollback_s": rollback, "round_s": round_s,
+            "hidden_s": hidden, "tokens_per_round": omega}

@@ -1,8 +1,14 @@
 """Measured speculative decoding on this machine, against plain decode of the same target.
 
-- batch 1, ``real``: mlx-lm's own ``speculative_generate_step`` against its ``generate_step``.
+- batch 1, ``real``: mlx-lm's own ``speculative_generate_step`` against its ``generate_step``,
+  where mlx-lm rolls both models' caches back correctly (every layer a plain KV cache, or a
+  sliding window the decode never fills); else the suite's loop, labelled so.
 - any batch: the suite's loop (``spec_loop``), modes ``real``, ``self-draft`` and
-  ``emulated-acceptance``.
+  ``emulated-acceptance``, with a rollback correct for every cache kind (``rollback``).
+
+Every configuration is audited once, untimed (``spec_audit``): the caches a decode leaves must
+equal plain decoding's of the same tokens, and at temperature 0 the SD output must equal plain
+greedy output but for float near-ties. A configuration that fails either is marked invalid.
 
 Prompts: a model with real weights decodes a prompt set (``inputs.prompts``: ``code``, ``chat``
 or a file) through its tokenizer; pair i of the timed runs uses prompts i*B .. i*B+B-1 of the set
@@ -41,15 +47,20 @@ from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.measure import timing
-from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
+from mac_moesd.measure.acceptance_run import greedy_check, logit_margin, measure_acceptance
 from mac_moesd.measure.round_parts import RoundParts, round_prediction
+from mac_moesd.measure.spec_audit import audit_configuration
 from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt
 from mac_moesd.measure.rolled_cache import PREFILL_CHUNK
+from mac_moesd.measure import rollback as rollbacks
 
-__all__ = ["SpecConfig", "run_spec"]
+__all__ = ["SpecConfig", "require_valid", "run_spec", "stored_and_valid"]
 
 MODES = ("real", "self-draft", "emulated-acceptance")
 RANDOM_IDS = "random token ids"
+LOOP = "mac-moesd loop"
+# Batch 1, real mode, where mlx-lm's SD would not roll these caches back correctly.
+LOOP_FOR_MLX_LM = "mac-moesd loop (mlx-lm cannot roll these caches back)"
 CANDIDATE_GAMMAS = tuple(range(1, 9))  # the draft lengths a recommendation is chosen from
 
 
@@ -71,6 +82,7 @@ class SpecConfig:
     prompts: str | None = None  # code|chat|FILE; None: code for a model with weights
     temperatures: tuple[float, ...] = (0.0,)
     max_prompts: int | None = None  # prompts of the set the acceptance pass decodes (None: all)
+    rollback: str = "auto"  # rollback.STRATEGIES
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -87,6 +99,8 @@ class SpecConfig:
             raise BadInput("--temperature above 0 needs --mode real (other modes impose acceptance)")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise BadInput("--max-prompts must be >= 1")
+        if self.rollback not in rollbacks.STRATEGIES:
+            raise BadInput(f"--rollback must be one of {', '.join(rollbacks.STRATEGIES)}")
 
 
 @dataclass(frozen=True)
@@ -231,8 +245,9 @@ class Decoders:
     one decoder for every pair) and reset to its prefill before each use."""
 
     def __init__(self, target, draft, batch: int, prompts: PromptIds, context: int,
-                 rng: np.random.Generator, vocab: int, random_tokens: bool = False):
+                 rng: np.random.Generator, vocab: int, random_tokens: bool = False, rollback: str = "auto"):
         self.target, self.draft, self.batch, self.prompts = target, draft, batch, prompts
+        self.rollback = rollback
         self.random_tokens = vocab if random_tokens else None
         self.random_prompt = (None if prompts.ids is not None
                               else mx.array(rng.integers(0, vocab, (batch, context + 1))))
@@ -245,12 +260,28 @@ class Decoders:
             return
         if self.current is None or (self.prompts.ids is not None and index != self.index):
             self.current = None  # free the old caches before the new prefill
-            prompt = (self.random_prompt if self.prompts.ids is None
-                      else common_prompt(self.prompts.batch(index, self.batch)))
-            self.current = Decoder(self.target, self.draft, prompt, self.random_tokens)
+            self.current = Decoder(self.target, self.draft, self.prompt(index), self.random_tokens, self.rollback)
         else:
             self.current.reset()
         self.index = index
+
+    def prompt(self, index: int) -> mx.array:
+        """Pair ``index``'s prompt (batch, n): the caches hold its first n-1 tokens."""
+        return (self.random_prompt if self.prompts.ids is None
+                else common_prompt(self.prompts.batch(index, self.batch)))
+
+    def mlx_lm_can_run(self, new_tokens: int, gamma: int) -> bool:
+        """Whether mlx-lm's batch-1 SD rolls both models' caches back correctly over the longest
+        decode of these prompts (``rollback.mlx_lm_can_roll_back``)."""
+        longest = (self.random_prompt.shape[1] if self.prompts.ids is None
+                   else max(map(len, self.prompts.ids)))
+        self.prepare(0)
+        caches = self.current.target_cache + self.current.draft_cache
+        return rollbacks.mlx_lm_can_roll_back(caches, longest + new_tokens + gamma + 1)
+
+    def greedy_margin(self, plain_out: list[Decoded]):
+        """``greedy_check``'s ``margin_of`` for pairs decoded from ``prompt(i)``."""
+        return lambda i, row, at: logit_margin(self.target, self.prompt(i)[row], plain_out[i].outputs[row], at)
 
     @property
     def context(self) -> int:
@@ -264,6 +295,15 @@ class Decoders:
         order = random.Random(0)
         return lambda index: parts.time(self.target, self.draft, self.current.target_rolled,
                                         self.current.draft_rolled, order)
+
+
+def mlx_lm_speculative(d: Decoder, gamma: int, new_tokens: int, sampler) -> Decoded:
+    """One batch-1 decode by mlx-lm's ``speculative_generate_step`` on the decoder's caches."""
+    steps = list(speculative_generate_step(
+        d.pending[0], d.target, d.draft, num_draft_tokens=gamma, max_tokens=new_tokens,
+        sampler=sampler, prompt_cache=d.target_cache + d.draft_cache))
+    rounds = acceptance.mlx_lm_rounds([bool(flag) for _, _, flag in steps], gamma, new_tokens)
+    return Decoded(new_tokens, rounds, np.array([[t for t, _, _ in steps]]))
 
 
 def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: float,
@@ -287,12 +327,7 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
         return Decoded(new_tokens, outputs=np.array([tokens]))
 
     def spec():
-        d = decoders.current
-        steps = list(speculative_generate_step(
-            d.pending[0], d.target, d.draft, num_draft_tokens=gamma, max_tokens=new_tokens,
-            sampler=sampler, prompt_cache=d.target_cache + d.draft_cache))
-        rounds = acceptance.mlx_lm_rounds([bool(flag) for _, _, flag in steps], gamma, new_tokens)
-        return Decoded(new_tokens, rounds, np.array([[t for t, _, _ in steps]]))
+        return mlx_lm_speculative(decoders.current, gamma, new_tokens, sampler)
 
     plain_times, spec_times, plain_out, spec_out = paired(plain, spec, prepare, precision,
                                                           decoders.parts_timer(parts))
@@ -318,7 +353,7 @@ def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | Non
         prepare, Precision.of(cfg), decoders.parts_timer(parts))
     row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, Precision.of(cfg))
     row["plain_step_s"] = statistics.median(plain_times) / cfg.new_tokens
-    return {**row, "engine": "mac-moesd loop", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
+    return {**row, "engine": LOOP, "context": statistics.mean(contexts[2:])}, plain_out, spec_out
 
 
 def estimate(cfg: SpecConfig, target, draft, context: int | None = None) -> dict:
@@ -399,7 +434,7 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     """A run's predicted speedup from this stage's own forwards (``measured``) and from the
     fitted model (``model``); ``predicted_speedup`` is the first that exists, ``predicted_from``
     says which. ``plain_vs_sweep``: the stage's plain step over the sweep's pipelined T_T(B,1)."""
-    measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"])
+    measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"], run["batch"])
                 if realised is not None and parts.samples else None)
     model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding)
              if predictor and realised is not None else None)
@@ -444,7 +479,7 @@ class ConfigurationTimer:
 
     def decoders(self, batch: int) -> Decoders:
         return Decoders(self.target, self.draft, batch, self.inputs, self.cfg.context, self.rng, self.vocab,
-                        random_tokens=self.cfg.mode == "emulated-acceptance")
+                        random_tokens=self.cfg.mode == "emulated-acceptance", rollback=self.cfg.rollback)
 
     def grid(self, configurations: list[tuple]) -> list[dict]:
         """Every (batch, temperature, alpha, gamma) in order, one batch's decoders alive at a time."""
@@ -459,12 +494,17 @@ class ConfigurationTimer:
     def run(self, decoders: Decoders, gamma: int, temperature: float, alpha: float | None) -> dict:
         cfg, batch = self.cfg, decoders.batch
         mx.random.seed(cfg.seed)  # the same samples for every configuration
-        parts = RoundParts(batch, gamma, self.vocab, with_reject=cfg.mode == "emulated-acceptance")
-        if batch == 1 and cfg.mode == "real":
+        parts = RoundParts(batch, gamma, self.vocab, with_reject=cfg.mode == "emulated-acceptance",
+                           rollback=cfg.rollback)
+        mlx_lm = (batch == 1 and cfg.mode == "real" and cfg.rollback == "auto"
+                  and decoders.mlx_lm_can_run(cfg.new_tokens, gamma))
+        if mlx_lm:
             row, plain_out, spec_out = mlx_lm_batch1(decoders, cfg.new_tokens, gamma, temperature,
                                                      Precision.of(cfg), parts)
         else:
             row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, self.rng, parts)
+            if batch == 1 and cfg.mode == "real":
+                row["engine"] = LOOP_FOR_MLX_LM
         measured = acceptance_fields([n for d in spec_out for n in d.per_round], gamma)
         effective = alpha if alpha is not None else measured["measured_alpha"]
         # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
@@ -477,7 +517,13 @@ class ConfigurationTimer:
         run.update(predictions(run, parts, self.predictor, self.sweep_step, realised, decoding,
                                cfg.mode == "self-draft"))
         if temperature == 0 and cfg.mode != "emulated-acceptance":
-            run["greedy_check"] = greedy_check((s.outputs, p.outputs) for s, p in zip(spec_out, plain_out))
+            run["greedy_check"] = greedy_check([(s.outputs, p.outputs) for s, p in zip(spec_out, plain_out)],
+                                               decoders.greedy_margin(plain_out))
+        decode = ((lambda d: mlx_lm_speculative(d, gamma, cfg.new_tokens, make_sampler(temp=temperature)))
+                  if mlx_lm else
+                  (lambda d: d.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=self.rng)))
+        run["rollback"] = audit_configuration(decoders, decode, exact=not mlx_lm)
+        run["valid"] = run["rollback"]["audit"]["ok"] and run.get("greedy_check", {}).get("valid", True)
         entry = self.accepted_on_set.get((gamma, temperature))
         if entry is not None and temperature > 0:
             run["rules"] = rules_worth(entry, run, self.predictor, batch, decoding)
@@ -545,9 +591,25 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                    "sliced": target.layers < target.layers_full},
         "memory": memory.record(need, available_bytes),
     }
+    document["valid"] = (all(run["valid"] for run in runs) and all(
+        entry["greedy_check"]["valid"] for entry in document["acceptance"] if "greedy_check" in entry))
     del target, draft
     memory.release()
     return document
+
+
+def require_valid(document: schema.SpecDocument) -> None:
+    """Refuse, once the document is stored, a spec run any configuration of which failed its
+    audit: a run stage then fails with the reason, and its report marks the runs invalid."""
+    if document.get("valid") is False:
+        raise MacMoesdError("a configuration failed its SD audit (rollback or greedy check): its speedup "
+                            "is not a measurement of speculative decoding; the report marks it INVALID")
+
+
+def stored_and_valid(data: dict, key: str) -> bool:
+    """Whether the results hold the spec document ``key``, not marked invalid (a run stage's
+    ``done``: an invalid one is measured again)."""
+    return key in data.get("spec", {}) and data["spec"][key].get("valid") is not False
 
 
 def _is(run: dict, configuration: tuple) -> bool:
@@ -594,5 +656,5 @@ def acceptance_pass(cfg: SpecConfig, target, draft, inputs: PromptIds) -> dict:
         return {}
     prompts = inputs.ids[: cfg.max_prompts]
     return {(gamma, temperature): measure_acceptance(target, draft, prompts, gamma, temperature,
-                                                     cfg.new_tokens, cfg.seed)
+                                                     cfg.new_tokens, cfg.seed, cfg.rollback)
             for temperature in cfg.temperatures for gamma in cfg.gammas}

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import trim_prompt_cache
-
 from mac_moesd.measure import timing
+from mac_moesd.measure.rollback import Rollback
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 from mac_moesd.measure.rolled_cache import RolledBackCache
 
@@ -67,17 +66,21 @@ class Decoder:
 
     ``prompt`` (batch, n): the caches hold its first n-1 tokens, the last is the pending token
     the first forward consumes. ``random_tokens`` (a vocabulary size): emit uniformly random ids
-    instead of the models' choices (emulated acceptance)."""
+    instead of the models' choices (emulated acceptance). ``rollback``: ``rollback.STRATEGIES``."""
 
-    def __init__(self, target, draft, prompt: mx.array, random_tokens: int | None = None):
+    def __init__(self, target, draft, prompt: mx.array, random_tokens: int | None = None,
+                 rollback: str = "auto"):
         self.target, self.draft = target, draft
         self.random_tokens = random_tokens
+        self.prompt = prompt
         self.batch, length = prompt.shape
         self.context = length - 1
         held = prompt[:, :-1]
         self.target_rolled = RolledBackCache(target, self.batch, self.context, 0, held)
         self.draft_rolled = RolledBackCache(draft, self.batch, self.context, 0, held)
         self.target_cache, self.draft_cache = self.target_rolled.cache, self.draft_rolled.cache
+        self.target_rollback = Rollback(target, self.target_cache, rollback)
+        self.draft_rollback = Rollback(draft, self.draft_cache, rollback)
         self.pending = prompt[:, -1:]
 
     def reset(self) -> None:
@@ -111,6 +114,7 @@ class Decoder:
         y = self.pending
         while produced.min() < new_tokens:
             x, drafts, draft_logits = y, [], []
+            self.draft_rollback.mark()
             for _ in range(gamma):  # each draft step queued as built, as mlx-lm's _draft_generate
                 logits = self.draft(x, cache=self.draft_cache)[:, -1:]
                 x = self.emit(logits, temperature)
@@ -118,6 +122,7 @@ class Decoder:
                 drafts.append(x)
                 draft_logits.append(logits)
             drafts_arr = mx.concatenate(drafts, axis=1)
+            self.target_rollback.mark()
             verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
             # The target's token at every position: its argmax, or (mlx-lm's rule) its own sample.
             chosen = self.emit(verify, temperature)  # (B, gamma+1)
@@ -145,11 +150,12 @@ class Decoder:
                         token_list.extend(np.array(token_p))
                         position_list.extend(np.array(position_p))
             shared = int(accepted.min())
-            trim_prompt_cache(self.target_cache, gamma - shared)
+            kept = mx.concatenate([y, drafts_arr[:, :shared]], axis=1)  # the tokens both caches keep
+            self.target_rollback.undo(gamma + 1, kept)
             if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
                 self.draft(drafts[-1], cache=self.draft_cache)
             else:
-                trim_prompt_cache(self.draft_cache, gamma - 1 - shared)
+                self.draft_rollback.undo(gamma, kept)
             produced += accepted + 1
             per_round += [int(a) for a in accepted]
             # For rows that accepted more than ``shared``, chosen[shared] equals their draft.

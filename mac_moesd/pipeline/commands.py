@@ -221,6 +221,7 @@ class RunOptions:
     prompt_sets: tuple[str, ...] = plans.PROMPT_SETS
     prompts_given: bool = False  # --prompts was given
     serving: bool = False
+    rollback: str = "auto"  # --rollback
 
 
 @dataclass
@@ -253,11 +254,13 @@ def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Pr
                  "models (the report says so)")
     spec_dict = machine.to_dict()["spec"]
     if chosen is not None:
+        chosen = replace(chosen, base=replace(chosen.base, rollback=options.rollback))
         outcome = pair_stages.run_pair(chosen, store, machine, spec_dict, progress, limit, serving_cfg)
     else:
         plan = plans.default_plan(machine.backend, options.quick, options.full)
         if options.models:
             plan = plans.with_models(plan, options.models)
+        plan = replace(plan, rollback=options.rollback)
         outcome = stages.run_all(plan, store, machine, spec_dict, progress, limit, options.serving)
     progress.note("report")
     paths = report.write_report(store.data, store.path.parent)

@@ -185,11 +185,13 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
                               gammas=base.spec_gammas, mode="real", context=base.context,
                               new_tokens=base.spec_tokens, repeats=base.spec_repeats,
                               budget_s=base.spec_budget_s, prompts=prompt_set,
-                              temperatures=plan.temperatures, max_prompts=plan.max_prompts)
-        ctx.store.put("spec", key, spec.run_spec(cfg, fit.speedup_predictor(fitted), ctx.usable_bytes,
-                                                 fit.sweep_plain_step(as_swept(data, plan), plan.target)))
+                              temperatures=plan.temperatures, max_prompts=plan.max_prompts, rollback=base.rollback)
+        document = spec.run_spec(cfg, fit.speedup_predictor(fitted), ctx.usable_bytes,
+                                 fit.sweep_plain_step(as_swept(data, plan), plan.target))
+        ctx.store.put("spec", key, document)
+        spec.require_valid(document)
 
-    return Stage(f"spec {plan.target} on {prompt_set}", work, done=lambda data: key in data.get("spec", {}),
+    return Stage(f"spec {plan.target} on {prompt_set}", work, done=lambda data: spec.stored_and_valid(data, key),
                  estimate=lambda sizing: estimate.pair_spec_stage(plan, prompt_set, sizing),
                  models=(plan.target_arg, plan.draft_arg))
 

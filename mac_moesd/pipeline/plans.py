@@ -36,6 +36,7 @@ class Plan:
     spec_repeats: int  # the fewest (plain, SD) pairs per configuration
     routing_batches: tuple[int, ...]
     spec_budget_s: float = 120.0  # seconds per SD configuration to reach its precision
+    rollback: str = "auto"  # how SD takes back rejected drafts (measure.rollback.STRATEGIES)
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -89,12 +89,13 @@ def _spec(plan: Plan) -> Stage:
         cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
-                              budget_s=plan.spec_budget_s, bits=plan.bits)
+                              budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback)
         document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
                                  fit.sweep_plain_step(data, target))
         ctx.store.put("spec", key, document)
+        spec.require_valid(document)
 
-    return Stage(f"spec {target}", work, done=lambda data: key in data.get("spec", {}),
+    return Stage(f"spec {target}", work, done=lambda data: spec.stored_and_valid(data, key),
                  estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, plan.draft))
 
 

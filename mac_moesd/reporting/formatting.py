@@ -455,6 +455,29 @@ def render_fit(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def rollback_cell(run: dict) -> str:
+    """How a run's caches were rolled back and whether its audit passed ("-": a run of a file
+    written before runs were audited)."""
+    record = run.get("rollback")
+    if record is None:
+        return "-"
+    return f"{record['strategy']}, {'audit ok' if record['audit']['ok'] else 'AUDIT FAILED'}"
+
+
+def invalid_lines(doc: dict) -> list[str]:
+    """One line per invalid run of a spec document: its configuration and why."""
+    lines = []
+    for r in doc["runs"]:
+        if r.get("valid", True):
+            continue
+        audit = r["rollback"]["audit"]
+        why = (audit.get("reason") or f"caches differ from plain decoding by {audit['max_abs_diff']:.2g} "
+               f"(tolerance {audit['tolerance']:g})") if not audit["ok"] else \
+            "SD output differs from greedy where the target's choice was no near-tie"
+        lines.append(f"INVALID B={r['batch']} gamma={r['gamma']}: {why}; its speedup is not a measurement of SD")
+    return lines
+
+
 def render_spec(doc: dict) -> str:
     rows = []
     many_temperatures = len(doc.get("temperatures", [0])) > 1 or doc.get("temperatures", [0]) != [0]
@@ -466,7 +489,7 @@ def render_spec(doc: dict) -> str:
                      str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
                      _num(r.get("mean_accepted"), ".2f"), r["mode"],
                      f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
-                     measured_speedup(r), pred, err])
+                     measured_speedup(r), pred, err, rollback_cell(r)])
     prompts = doc.get("prompts") or {}
     where = (f"prompts '{prompts['name']}' ({prompts['count']}, {prompts['encoding']}, "
              f"{prompts['tokens'][0]}-{prompts['tokens'][1]} tokens)" if prompts.get("count")
@@ -476,14 +499,18 @@ def render_spec(doc: dict) -> str:
             "alpha solved from the mean accepted draft tokens per round unless imposed (emulated)")
     lines = [head, table(["B", *(["temp"] if many_temperatures else []), "gamma", "verify tokens",
                           "alpha", "accepted/round", "mode", "plain tok/s", "SD tok/s", "measured S (range)",
-                          "predicted S", "pred/meas"], rows)]
+                          "predicted S", "pred/meas", "rollback"], rows)]
+    lines += invalid_lines(doc)
     checks = [r["greedy_check"] for r in doc["runs"] if "greedy_check" in r]
     checks += [a["greedy_check"] for a in doc.get("acceptance", []) if "greedy_check" in a]
     if checks:
         mismatched = sum(c["mismatched"] for c in checks)
         sequences = sum(c["sequences"] for c in checks)
+        unexplained = sum(1 for c in checks for tie in c.get("near_tie", []) if not tie)
+        why = ("" if mismatched == 0 else " (all at float near-ties)" if unexplained == 0
+               else f" ({unexplained} not at a near-tie: the SD output is wrong)")
         lines.append(f"temperature 0: SD output differs from greedy in {mismatched} of {sequences} "
-                     "sequences" + ("" if mismatched == 0 else " (float near-ties flip an argmax)"))
+                     f"sequences{why}")
     if doc.get("acceptance"):
         lines += ["", "Acceptance on the prompt set (untimed, batch 1, every prompt on its own):"]
         acc_rows = []

@@ -1,0 +1,182 @@
+"""Rolling a model's caches back to the tokens an SD round kept, correctly for every cache kind.
+
+A round forwards tokens that it may then reject: the target's verify (the pending token and
+gamma drafts), the drafter's gamma one-token steps. mlx-lm's ``trim_prompt_cache`` trims nothing
+at all when any layer's cache cannot trim (a recurrent state, a sliding window past its size),
+so a loop that relies on it goes on from a context holding the rejected drafts. Here every cache
+leaf has a kind, and a rejection is undone by what that kind allows:
+
+- ``kv`` (``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``, ``ChunkedKVCache``): trimmed.
+- ``sliding`` (``RotatingKVCache``): trimmed while the window is not full; past it, after a
+  multi-token forward (mlx-lm then keeps ``max_size + S - 1`` entries in temporal order, so
+  every one of the S tokens saw its full window), the last entries are cut off: the window is
+  still whole for the next token (``window``). After one-token forwards (which overwrite the
+  oldest entries in place) nothing can be cut: the leaf is restored from a snapshot.
+- ``recurrent`` (``ArraysCache``: GatedDeltaNet and Mamba states): restored from a snapshot.
+
+Whenever a leaf is restored, every leaf goes back to where it was before the forwards (kv
+leaves by trimming them all) and the kept tokens are forwarded through the whole model again
+(``re-forward``, as vllm-mlx's scheduler and llama.cpp's fallback do). Snapshots are free: the
+recurrent layers rebind their state arrays, and ``mx.array(x)`` holds x's value while the
+in-place window writes go to new buffers (their copy is the cost, inside the round).
+
+``strategy="re-forward"`` forces the re-forward for every rejection, on any model: the naive
+baseline. A cache class not listed is refused with its name: nothing is measured with a
+rollback that did nothing.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mac_moesd import mlxlm_compat
+from mac_moesd.errors import MacMoesdError
+
+__all__ = ["KINDS", "STRATEGIES", "Rollback", "cache_kinds", "leaf_kind", "leaves", "mlx_lm_can_roll_back"]
+
+KINDS = {
+    "KVCache": "kv", "QuantizedKVCache": "kv", "ConcatenateKVCache": "kv", "ChunkedKVCache": "kv",
+    "RotatingKVCache": "sliding", "ArraysCache": "recurrent",
+}
+# What --rollback offers: each kind's cheapest correct rollback, or the re-forward for every one.
+STRATEGIES = ("auto", "re-forward")
+# How a round was rolled back, cheapest first; a run reports the costliest that happened.
+APPLIED = ("none", "trim", "window", "re-forward")
+CACHE_MODULE = "mlx_lm.models.cache"
+
+
+def leaves(caches) -> list:
+    """Every cache leaf, a ``CacheList``'s children in its place."""
+    out = []
+    for cache in caches:
+        if type(cache).__name__ == "CacheList" and type(cache).__module__ == CACHE_MODULE:
+            out += leaves(mlxlm_compat.cache_children(cache))
+        else:
+            out.append(cache)
+    return out
+
+
+def leaf_kind(cache) -> str:
+    """``kv``, ``sliding`` or ``recurrent``; any other class is refused with its name."""
+    name = type(cache).__name__
+    kind = KINDS.get(name) if type(cache).__module__ == CACHE_MODULE else None
+    if kind is None:
+        raise MacMoesdError(f"cannot roll back a {name} cache after a rejected draft: the SD loops know "
+                            f"mlx-lm's {', '.join(KINDS)} and CacheList")
+    return kind
+
+
+def cache_kinds(caches) -> list[str]:
+    """The distinct cache classes of ``caches``, sorted (what a run records as ``cache_kinds``)."""
+    for leaf in leaves(caches):
+        leaf_kind(leaf)
+    return sorted({type(leaf).__name__ for leaf in leaves(caches)})
+
+
+def mlx_lm_can_roll_back(caches, longest: int) -> bool:
+    """Whether mlx-lm's batch-1 SD rolls ``caches`` back correctly through a decode that reaches
+    ``longest`` tokens (prompt, new tokens and a round's verify): only when every leaf can trim
+    for the whole decode, which a sliding window can only while it is not full."""
+    for leaf in leaves(caches):
+        kind = leaf_kind(leaf)
+        if kind == "recurrent" or (kind == "sliding" and longest >= leaf.max_size):
+            return False
+    return True
+
+
+def _snapshot(leaf):
+    """The values a leaf holds now, safe from the writes that follow (see the module docstring)."""
+    if leaf_kind(leaf) == "recurrent":
+        return list(leaf.cache), leaf.left_padding, leaf.lengths
+    keys, values, offset, keep, max_size, idx = leaf.state
+    return mx.array(keys), mx.array(values), offset, keep, max_size, idx
+
+
+def _restore(leaf, saved) -> None:
+    if leaf_kind(leaf) == "recurrent":
+        states, left_padding, lengths = saved
+        leaf.state = (list(states), left_padding, lengths)
+    else:
+        leaf.state = saved
+
+
+def _can_cut(leaf, tokens: int) -> bool:
+    """Whether a full sliding window is in the temporal order a multi-token forward leaves (not
+    after in-place writes) with ``tokens`` entries to spare beyond its size."""
+    keys, _, _, _, max_size, idx = leaf.state
+    return keys is not None and idx == keys.shape[2] and idx - tokens >= max_size
+
+
+def _cut_window(leaf, tokens: int) -> None:
+    """Drop the last ``tokens`` entries of a window ``_can_cut`` allows."""
+    keys, values, offset, keep, max_size, idx = leaf.state
+    leaf.state = (keys[..., : idx - tokens, :], values[..., : idx - tokens, :], offset - tokens, keep,
+                  max_size, idx - tokens)
+
+
+class Rollback:
+    """The rollback of one model's caches: ``mark`` before the forwards a round may reject,
+    ``undo`` once it knows what it keeps. ``applied`` counts how each round was undone."""
+
+    def __init__(self, model: nn.Module, caches: list, strategy: str = "auto"):
+        if strategy not in STRATEGIES:
+            raise MacMoesdError(f"unknown rollback strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+        self.model, self.caches, self.strategy = model, caches, strategy
+        self.leaves = leaves(caches)
+        self.kinds = [leaf_kind(leaf) for leaf in self.leaves]
+        self.saved: list | None = None
+        self.applied = {name: 0 for name in APPLIED}
+
+    @property
+    def plain_kv(self) -> bool:
+        return all(kind == "kv" for kind in self.kinds)
+
+    def mark(self) -> None:
+        """Remember the leaves that may need restoring (none on a model of plain KV caches)."""
+        self.saved = [None if kind == "kv" else _snapshot(leaf) for leaf, kind in zip(self.leaves, self.kinds)]
+
+    def undo(self, forwarded: int, kept: mx.array) -> str:
+        """Go back to the tokens ``kept`` (batch, n) of the ``forwarded`` tokens since ``mark``
+        (``kept`` are their first n). Returns how (one of ``APPLIED``)."""
+        rejected = forwarded - kept.shape[1]
+        if rejected < 0:
+            raise ValueError(f"kept {kept.shape[1]} of {forwarded} tokens")
+        how = "none" if rejected == 0 else self._in_place(rejected)
+        if how is None:
+            self._reforward(forwarded, kept)
+            how = "re-forward"
+        self.applied[how] += 1
+        return how
+
+    def _in_place(self, rejected: int) -> str | None:
+        """Trim or cut every leaf back by ``rejected`` tokens; None (nothing changed) where a leaf
+        cannot, or where the strategy forces a re-forward."""
+        if self.strategy == "re-forward" or "recurrent" in self.kinds:
+            return None
+        cuts = []
+        for leaf, kind in zip(self.leaves, self.kinds):
+            if kind == "sliding" and not leaf.is_trimmable():
+                if not _can_cut(leaf, rejected):
+                    return None
+                cuts.append(leaf)
+        for leaf in self.leaves:
+            if any(leaf is cut for cut in cuts):
+                _cut_window(leaf, rejected)
+            else:
+                leaf.trim(rejected)
+        return "window" if cuts else "trim"
+
+    def _reforward(self, forwarded: int, kept: mx.array) -> None:
+        if self.saved is None:
+            raise MacMoesdError("rollback without a mark: the SD loop must mark before it forwards")
+        for leaf, kind, saved in zip(self.leaves, self.kinds, self.saved):
+            if kind == "kv":
+                leaf.trim(forwarded)
+            else:
+                _restore(leaf, saved)
+        self.model(kept, cache=self.caches)
+
+    def to_dict(self) -> dict:
+        """What the rounds needed, for a run's ``rollback`` record."""
+        return {"rounds": dict(self.applied)}
