@@ -46,7 +46,7 @@ def test_sweep_json_contract(tmp_path):
         assert p["pipelined"]["steps"] == (8 if p["tokens"] == 1 else sweep.PIPELINED_STEPS)
     assert doc["meta"]["backend"] == hardware.mlx_backend()
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["schema"] == "mac-moesd/2"
+    assert saved["schema"] == "mac-moesd/3"
 
 
 def test_sweep_table(tmp_path):

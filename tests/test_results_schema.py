@@ -29,7 +29,7 @@ def test_recorded_files_load_as_today_s_schema_and_stay_untouched(path):
     before = path.read_bytes()
     assert json.loads(before)["schema"] == "mac-moesd/1"
     data = load_results(path)
-    assert data["schema"] == SCHEMA == "mac-moesd/2"
+    assert data["schema"] == SCHEMA == "mac-moesd/3"
     assert path.read_bytes() == before
 
 
@@ -40,7 +40,7 @@ def test_resuming_an_older_file_keeps_its_points_and_writes_today_s_schema(tmp_p
     store = ResultsStore(path, {**old["meta"], "time": "t1", "command": "mac-moesd sweep x"})
     store.save()
     new = json.loads(path.read_text())
-    assert new["schema"] == "mac-moesd/2"
+    assert new["schema"] == "mac-moesd/3"
     assert new["sweeps"] == old["sweeps"] and new["fits"] == old["fits"]
 
 

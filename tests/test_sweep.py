@@ -7,8 +7,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
 from mac_moesd.analysis import depth
-from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import rollback, sweep
+from mac_moesd.inputs import cache_kinds, models, zoo
+from mac_moesd.measure import sweep
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore, load_results
 
@@ -39,7 +39,7 @@ def test_every_zoo_architecture_runs_a_timed_forward_with_rollback(entry, config
     # A window filled past its size (gpt-oss) or a recurrent state (the Qwen3-Next and Nemotron-H
     # hybrids) cannot go back to the second context, so those models are timed at one context and say so.
     built = models.build(models.resolve(str(folder)))
-    one_context = {rollback.leaf_kind(c) for c in rollback.leaves(make_prompt_cache(built.model))} != {"kv"}
+    one_context = {cache_kinds.leaf_kind(c) for c in cache_kinds.leaves(make_prompt_cache(built.model))} != {"kv"}
     assert bool(stored.get("kv_untrimmable")) == one_context
     if one_context:
         assert doc["kv_points"] is None and any("cannot be trimmed back" in w for w in doc["warnings"])

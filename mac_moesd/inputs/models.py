@@ -20,17 +20,19 @@ import glob
 import io
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load_model, quantize_model
 
 from mac_moesd import mlxlm_compat
 from mac_moesd.inputs import hfcache, zoo
+from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 from mac_moesd.errors import MacMoesdError
 
 __all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
@@ -166,6 +168,7 @@ class Footprint:
     top_k: int | None
     layers: int
     moe_layers: int
+    layer_kinds: dict = field(default_factory=dict)  # ``layer_kinds``
 
     @property
     def params_dense(self) -> int:
@@ -247,7 +250,28 @@ def footprint(model: nn.Module, config: dict) -> Footprint:
         top_k=shape[1] if shape else None,
         layers=len(model.layers),
         moe_layers=len(moe_layers),
+        layer_kinds=layer_kinds(model),
     )
+
+
+SEQUENCE_MIXERS = {"kv": "attention", "sliding": "sliding", "recurrent": "linear"}
+
+
+def layer_kinds(model: nn.Module) -> dict[str, int]:
+    """How many decoder layers mix the sequence each way (``attention``, ``sliding`` window,
+    ``linear``: a recurrent state, GatedDeltaNet or Mamba2), read off the caches mlx-lm makes for
+    the model, and how many have a routed-expert FFN (``moe``) or a dense one (``mlp``). Nemotron-H
+    counts each block as a layer: its Mamba and attention blocks have no FFN, its FFN blocks no cache."""
+    kinds = {name: 0 for name in (*SEQUENCE_MIXERS.values(), "moe", "mlp")}
+    for leaf in leaves(make_prompt_cache(model)):
+        kinds[SEQUENCE_MIXERS[leaf_kind(leaf)]] += 1
+    for layer in model.layers:
+        modules = [m for _, m in layer.named_modules()]
+        if any(isinstance(m, (SwitchLinear, QuantizedSwitchLinear)) for m in modules):
+            kinds["moe"] += 1
+        elif any(type(m).__name__.endswith("MLP") for m in modules):
+            kinds["mlp"] += 1
+    return kinds
 
 
 @dataclass

@@ -4,7 +4,7 @@ A round forwards tokens that it may then reject: the target's verify (the pendin
 gamma drafts), the drafter's gamma one-token steps. mlx-lm's ``trim_prompt_cache`` trims nothing
 at all when any layer's cache cannot trim (a recurrent state, a sliding window past its size),
 so a loop that relies on it goes on from a context holding the rejected drafts. Here every cache
-leaf has a kind, and a rejection is undone by what that kind allows:
+leaf has a kind (``inputs.cache_kinds``), and a rejection is undone by what that kind allows:
 
 - ``kv`` (``KVCache``, ``QuantizedKVCache``, ``ConcatenateKVCache``, ``ChunkedKVCache``): trimmed.
 - ``sliding`` (``RotatingKVCache``): trimmed while the window is not full; past it, after a
@@ -30,48 +30,15 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mac_moesd import mlxlm_compat
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 
-__all__ = ["KINDS", "STRATEGIES", "Rollback", "cache_kinds", "leaf_kind", "leaves", "mlx_lm_can_roll_back"]
+__all__ = ["APPLIED", "STRATEGIES", "Rollback", "mlx_lm_can_roll_back"]
 
-KINDS = {
-    "KVCache": "kv", "QuantizedKVCache": "kv", "ConcatenateKVCache": "kv", "ChunkedKVCache": "kv",
-    "RotatingKVCache": "sliding", "ArraysCache": "recurrent",
-}
 # What --rollback offers: each kind's cheapest correct rollback, or the re-forward for every one.
 STRATEGIES = ("auto", "re-forward")
 # How a round was rolled back, cheapest first; a run reports the costliest that happened.
 APPLIED = ("none", "trim", "window", "re-forward")
-CACHE_MODULE = "mlx_lm.models.cache"
-
-
-def leaves(caches) -> list:
-    """Every cache leaf, a ``CacheList``'s children in its place."""
-    out = []
-    for cache in caches:
-        if type(cache).__name__ == "CacheList" and type(cache).__module__ == CACHE_MODULE:
-            out += leaves(mlxlm_compat.cache_children(cache))
-        else:
-            out.append(cache)
-    return out
-
-
-def leaf_kind(cache) -> str:
-    """``kv``, ``sliding`` or ``recurrent``; any other class is refused with its name."""
-    name = type(cache).__name__
-    kind = KINDS.get(name) if type(cache).__module__ == CACHE_MODULE else None
-    if kind is None:
-        raise MacMoesdError(f"cannot roll back a {name} cache after a rejected draft: the SD loops know "
-                            f"mlx-lm's {', '.join(KINDS)} and CacheList")
-    return kind
-
-
-def cache_kinds(caches) -> list[str]:
-    """The distinct cache classes of ``caches``, sorted (what a run records as ``cache_kinds``)."""
-    for leaf in leaves(caches):
-        leaf_kind(leaf)
-    return sorted({type(leaf).__name__ for leaf in leaves(caches)})
 
 
 def mlx_lm_can_roll_back(caches, longest: int) -> bool:

@@ -20,7 +20,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mac_moesd.measure.rollback import APPLIED, cache_kinds, leaf_kind, leaves
+from mac_moesd.inputs.cache_kinds import cache_kinds, leaf_kind, leaves
+from mac_moesd.measure.rollback import APPLIED
 from mac_moesd.measure.rollback_audit import audit_caches
 
 __all__ = ["audit_configuration"]

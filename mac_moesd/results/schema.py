@@ -15,7 +15,12 @@ Format history (``schema``):
   eleven stages of docs/design.md §8).
 - ``mac-moesd/2``: the format as the last ``mac-moesd/1`` files had it, its documents declared
   here. No key was renamed or removed, so ``upgrade`` reads a ``mac-moesd/1`` file as
-  ``mac-moesd/2`` with what it never measured missing; a file written now says ``mac-moesd/2``.
+  ``mac-moesd/2`` with what it never measured missing.
+- ``mac-moesd/3``: SD runs audited. A spec run gains ``rollback`` (how its caches were rolled
+  back, and the audit of them against plain decoding) and ``valid``, a greedy check ``margin``,
+  ``near_tie`` and ``valid``, a round ``rollback_s``, a spec document ``valid``, a footprint
+  ``layer_kinds``. Additions only again: a ``mac-moesd/2`` file reads as ``/3`` whose SD runs were
+  never audited (the report says "-" where the audit goes); a file written now says ``/3``.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ __all__ = [
     "CommunicationEntry", "ResultsFile",
 ]
 
-SCHEMA = "mac-moesd/2"
-READS = ("mac-moesd/1", SCHEMA)  # what ``upgrade`` brings to today's form; others are refused
+SCHEMA = "mac-moesd/3"
+READS = ("mac-moesd/1", "mac-moesd/2", SCHEMA)  # what ``upgrade`` brings to today's form; others are refused
 
 
 def upgrade(data: dict) -> dict:
@@ -136,6 +141,15 @@ class Memory(TypedDict, total=False):
     wired_limit_note: str
 
 
+class LayerKinds(TypedDict, total=False):
+    """Decoder layers by how they mix the sequence (their cache) and by their FFN."""
+    attention: int  # a KV cache of every past token
+    sliding: int  # a KV cache of a window
+    linear: int  # a recurrent state: GatedDeltaNet, Mamba2
+    moe: int
+    mlp: int
+
+
 class Footprint(TypedDict, total=False):
     params_total: int
     params_expert: int
@@ -149,6 +163,7 @@ class Footprint(TypedDict, total=False):
     top_k: int | None
     layers: int
     moe_layers: int
+    layer_kinds: LayerKinds
     params_dense: int
     params_active: int
     bytes_dense_streamed: float  # read once per forward
@@ -549,6 +564,7 @@ class RoundMedians(TypedDict, total=False):
     target_step: float
     draft: float
     reject: float
+    rollback: float  # one rejected round's rollback, both models
 
 
 class RoundAccount(TypedDict, total=False):
@@ -560,6 +576,7 @@ class RoundAccount(TypedDict, total=False):
     verify_s: float
     draft_s: float
     reject_s: float
+    rollback_s: float  # the rollback's cost times how often a round rejects; counted in round_s
     round_s: float
     hidden_s: float
     tokens_per_round: float
@@ -576,6 +593,25 @@ class GreedyCheck(TypedDict, total=False):
     mismatched: int
     mismatch_rate: float
     first_mismatch_at: int | None
+    margin: list[float | None]  # per sequence: the target's top-1 minus top-2 logit at its first mismatch
+    near_tie: list[bool]  # per sequence: that margin is under the dtype's near-tie threshold
+    valid: bool  # no mismatch, or only near-ties
+
+
+class RollbackAudit(TypedDict, total=False):
+    ok: bool
+    max_abs_diff: float | None  # over both models' caches, each array's relative to its max |value|
+    tolerance: float | None
+    reason: str  # where structure or offsets differ
+
+
+class RollbackRecord(TypedDict, total=False):
+    """How a run's caches were rolled back after rejected drafts, and the audit of them."""
+    strategy: str  # the costliest that ran: none, trim, window, re-forward
+    requested: str  # --rollback: auto, re-forward
+    cache_kinds: list[str]  # mlx-lm cache classes of target and drafter
+    rounds: dict[str, dict[str, int]]  # target/draft: rounds per strategy
+    audit: RollbackAudit
 
 
 class RuleStats(TypedDict, total=False):
@@ -628,6 +664,8 @@ class SpecRun(TypedDict, total=False):
     context: float  # mean prompt tokens of its pairs
     greedy_check: GreedyCheck
     rules: Rules
+    rollback: RollbackRecord
+    valid: bool  # rollback audit ok and greedy check valid
 
 
 class MeasuredAcceptance(TypedDict, total=False):
@@ -665,6 +703,7 @@ class SpecDocument(TypedDict, total=False):
     layers: SpecLayers
     memory: Memory
     thermal_pressure: ThermalPressure
+    valid: bool  # every run valid
 
 
 # ---- pairs and pair_search (§7.11) ----

@@ -1,0 +1,131 @@
+"""The SD loops' rollback on hybrid and sliding-window models, and the audit that proves it: after
+a decode with rejections, every cache equals a plain forward of the emitted tokens. Each model is
+the miniature of a zoo architecture; the no-op rollback is what mlx-lm's ``trim_prompt_cache``
+does on them (it trims nothing once any layer cannot trim)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, trim_prompt_cache
+
+from mac_moesd.cli import cli
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.inputs import models, zoo
+from mac_moesd.measure import rollback, spec
+from mac_moesd.measure.rollback_audit import audit_caches
+from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.results import schema
+from test_results_schema import undeclared
+
+VOCAB = 256
+
+
+def build(config_dir, name: str, seed: int, **overrides):
+    config = {**zoo.miniature(zoo.by_name(name).config), **overrides}
+    mx.random.seed(seed)
+    built = models.build(models.resolve(str(config_dir(config, f"{name}-{seed}"))))
+    built.materialise()
+    return built.model
+
+
+def decode(config_dir, name: str, strategy: str = "auto", **overrides) -> Decoder:
+    """A target and a differently seeded drafter of one architecture, decoded with emulated
+    acceptance at alpha 0.6 from a 24-token prompt: rounds with rejections, past any 8-token window."""
+    target, draft = (build(config_dir, name, seed, **overrides) for seed in (0, 1))
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(0, VOCAB, (2, 25)))
+    decoder = Decoder(target, draft, prompt, VOCAB, rollback=strategy)
+    decoder.outputs = decoder.speculative(16, 3, "emulated-acceptance", 0.6, rng=rng).outputs
+    return decoder
+
+
+def audits(decoder: Decoder) -> list[dict]:
+    return [audit_caches(model, caches, decoder.prompt, decoder.outputs)
+            for model, caches in ((decoder.target, decoder.target_cache), (decoder.draft, decoder.draft_cache))]
+
+
+def no_op_undo(self, forwarded, kept):
+    """What the loops did before: mlx-lm's trim, which on these caches trims nothing."""
+    trim_prompt_cache(self.caches, forwarded - kept.shape[1])
+    return "trim"
+
+
+ARCHITECTURES = {  # zoo name, config overrides
+    "qwen3-next": ("qwen3-next-80b-a3b", {}),
+    "gpt-oss past its window": ("gpt-oss-120b", {"sliding_window": 8}),
+    "nested qwen3.5-moe": ("tiny-hybrid-moe", {}),
+    "nemotron-h": ("tiny-mamba-moe", {}),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3-next", "gpt-oss past its window"])
+def test_the_audit_catches_a_rollback_that_did_nothing(arch, config_dir, monkeypatch):
+    monkeypatch.setattr(rollback.Rollback, "undo", no_op_undo)
+    name, overrides = ARCHITECTURES[arch]
+    target, _ = audits(decode(config_dir, name, **overrides))
+    assert target["ok"] is False
+    assert "holds" in target["reason"] or target["max_abs_diff"] > target["tolerance"]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("strategy", rollback.STRATEGIES)
+def test_every_cache_kind_rolls_back_to_what_plain_decoding_holds(arch, strategy, config_dir):
+    name, overrides = ARCHITECTURES[arch]
+    decoder = decode(config_dir, name, strategy, **overrides)
+    for audit in audits(decoder):
+        assert audit["ok"], audit
+    applied = decoder.target_rollback.applied
+    assert sum(applied.values()) > applied["none"]  # some rounds rejected
+    if strategy == "re-forward" or arch in ("qwen3-next", "nested qwen3.5-moe", "nemotron-h"):
+        assert applied["trim"] == applied["window"] == 0
+    else:  # gpt-oss: the verify forward leaves a window it can cut
+        assert applied["window"] > 0 and applied["re-forward"] == 0
+
+
+def test_which_caches_mlx_lm_rolls_back():
+    assert rollback.mlx_lm_can_roll_back([KVCache(), KVCache()], longest=500)
+    assert not rollback.mlx_lm_can_roll_back([KVCache(), ArraysCache(2)], longest=10)
+    window = [KVCache(), RotatingKVCache(max_size=16)]
+    assert rollback.mlx_lm_can_roll_back(window, longest=15)
+    assert not rollback.mlx_lm_can_roll_back(window, longest=17)  # the window fills mid-decode
+
+
+def test_a_cache_class_it_does_not_know_is_refused_by_name():
+    class PagedCache:
+        pass
+
+    with pytest.raises(MacMoesdError, match="cannot roll back a PagedCache cache"):
+        rollback.Rollback(None, [KVCache(), PagedCache()])
+    with pytest.raises(MacMoesdError, match="unknown rollback strategy"):
+        rollback.Rollback(None, [KVCache()], "replay-all")
+
+
+def test_a_spec_run_on_a_hybrid_records_its_rollback_and_audit():
+    doc = spec.run_spec(spec.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1, 2),
+                                        gammas=(2,), mode="emulated-acceptance", alphas=(0.7,),
+                                        context=8, new_tokens=8, repeats=1))
+    assert doc["valid"] is True
+    assert undeclared(doc, schema.SpecDocument, "") == []
+    for run in doc["runs"]:
+        record = run["rollback"]
+        assert (record["strategy"], record["requested"]) == ("re-forward", "auto") and run["valid"] is True
+        assert "ArraysCache" in record["cache_kinds"] and record["audit"]["ok"] is True
+        assert record["rounds"]["target"]["re-forward"] > 0 and record["rounds"]["target"]["trim"] == 0
+        assert run["round"]["median_s"]["rollback"] > 0
+
+
+def test_real_batch_one_on_a_hybrid_runs_in_the_suites_loop_not_mlx_lm():
+    doc = spec.run_spec(spec.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1,),
+                                        gammas=(2,), mode="real", context=8, new_tokens=6, repeats=1))
+    (run,) = doc["runs"]
+    assert run["engine"] == spec.LOOP_FOR_MLX_LM and run["rollback"]["audit"]["ok"] and run["valid"]
+
+
+def test_spec_exits_1_when_a_rollback_did_not_restore(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollback.Rollback, "undo", no_op_undo)
+    result = CliRunner().invoke(cli, ["spec", "tiny-hybrid-moe", "--draft", "tiny-draft", "--batch", "2",
+                                      "--gamma", "2", "--tokens", "8", "--repeats", "1", "--alpha", "0.5",
+                                      "--context", "8", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 1, result.output
+    assert "INVALID" in result.stderr or "invalid" in result.stderr
