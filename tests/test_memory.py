@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from conftest import TINY_BUDGET
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models
@@ -104,6 +104,42 @@ def test_sweep_records_peak_within_its_estimate(tmp_path):
     for m in [s["memory"] for s in doc["slices"]] + [doc["draft"]["memory"]]:
         assert 0 < m["peak_bytes"] <= m["estimate_bytes"], m
         assert m["estimate_bytes"] <= 1.3 * m["peak_bytes"], m  # an estimate, not a blanket margin
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-hybrid-moe", "tiny-mamba-moe"])
+def test_a_hybrid_sweep_records_peak_within_its_estimate(model, tmp_path):
+    from mac_moesd.results import ResultsStore
+
+    meta = {"chip_slug": "test", "backend": "cpu", "versions": {"mlx": mx.__version__}, "blas": {"name": "x"}}
+    cfg = sweep.SweepConfig(model=model, batches=(1, 4), tokens=(1, 4), context=300, budget=TINY_BUDGET)
+    doc = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", meta), None)
+    for m in [s["memory"] for s in doc["slices"]]:
+        assert 0 < m["peak_bytes"] <= m["estimate_bytes"] <= 1.3 * m["peak_bytes"], m
+
+
+@pytest.mark.parametrize("model", ["tiny-hybrid-moe", "tiny-mamba-moe"])
+def test_recurrent_states_are_sized_from_the_graph_as_a_forward_writes_them(model):
+    built = models.build(models.resolve(model))
+    lazy = memory.recurrent_state_bytes(built.model)
+    built.materialise()
+    caches = make_prompt_cache(built.model)
+    built.model(mx.array([[1, 2, 3]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    written = sum(a.nbytes for c in caches if isinstance(c, ArraysCache) for a in c.cache)
+    assert lazy == written > 0
+    shape = memory.cache_shape(built)
+    assert shape.state == lazy and shape.bytes(1000) - shape.bytes(500) == 500 * shape.per_slot
+
+
+def test_a_window_stops_growing_at_its_size():
+    built = models.build(models.resolve("tiny-swa-moe"))
+    shape = memory.cache_shape(built)
+    assert shape.window == 16 and shape.state == 0 and shape.window_per_slot == shape.per_slot > 0
+    assert shape.bytes(5000) - shape.bytes(1000) == 4000 * shape.per_slot  # the full-attention layers only
+    assert shape.snapshot_bytes(5000) == shape.window_per_slot * 16
+    assert shape.snapshot_bytes(5000, forward=5) == shape.window_per_slot * 20  # a 5-token verify
+    assert memory.cache_shape(models.build(models.resolve("tiny-moe"))).plain_kv
 
 
 def test_memory_limit_slices_then_refuses(tmp_path):

@@ -19,15 +19,16 @@ from typing import Iterable, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mac_moesd.machine import hardware
 from mac_moesd.inputs import zoo
+from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 from mac_moesd.errors import BadInput
 from mac_moesd.units import GiB
 
 __all__ = [
-    "ENV_LIMIT", "GiB", "Usable", "activation_bytes", "init_transient_bytes", "kv_slots",
+    "ENV_LIMIT", "CacheShape", "GiB", "Usable", "cache_shape", "activation_bytes", "init_transient_bytes", "kv_slots",
     "limit_bytes", "parse_vm_stat", "release", "usable", "usable_from", "working_set_bytes",
 ]
 
@@ -39,6 +40,11 @@ MARGIN = 0.05
 KV_STEP = KVCache.step
 SCORE_BYTES = 4  # attention scores and softmax in float32 where the fused kernel does not apply
 LOGIT_BYTES = 4  # logits counted in float32: the widest dtype mlx-lm models return
+# mlx-lm's Mamba2 scan of a multi-token forward works in chunks of 256 tokens (ssm_attn's step,
+# mlx_lm/models/ssm.py), holding about six (batch, heads, chunk, chunk) float32 matrices at once:
+# 5.5-5.7 times one, measured with MLX 0.32 on the CPU backend at batch 1 and 4.
+SSM_CHUNK = 256
+SSM_MATRICES = 6
 
 
 # ---- what is usable ----
@@ -202,6 +208,72 @@ def kv_bytes_per_slot(config: dict, dtype_bytes: int) -> int:
     return 2 * kv_heads * head_dim * dtype_bytes
 
 
+@dataclass(frozen=True)
+class CacheShape:
+    """One sequence's caches of a built model: bytes per token slot over the layers that keep
+    every token (``per_slot``) and over the sliding-window ones (``window_per_slot``, which stop
+    growing at ``window`` slots, plus ``S - 1`` while a forward of S tokens runs: mlx-lm's
+    multi-token forward keeps a window's ``max_size + S - 1`` entries), and the recurrent states
+    (``state``, fixed whatever the context)."""
+
+    per_slot: int
+    window_per_slot: int = 0
+    window: int | None = None
+    state: int = 0
+
+    @property
+    def plain_kv(self) -> bool:
+        """Only layers that keep every token: a cache that trims back, with no snapshot."""
+        return not self.window_per_slot and not self.state
+
+    def bytes(self, slots: int, forward: int = 1) -> int:
+        """A sequence's caches holding ``slots`` token slots, the last ``forward`` of them written
+        by one forward."""
+        windowed = min(slots, (self.window or slots) + forward - 1)
+        return self.per_slot * slots + self.window_per_slot * windowed + self.state
+
+    def snapshot_bytes(self, slots: int, forward: int = 1) -> int:
+        """What the SD loops copy before a round may reject (``measure.rollback``): the windows
+        and the recurrent states, never the plain KV layers."""
+        return self.bytes(slots, forward) - self.per_slot * slots
+
+
+def recurrent_state_bytes(model: nn.Module) -> int:
+    """Bytes of one sequence's recurrent states (GatedDeltaNet, Mamba2), all layers: read off the
+    arrays a one-token forward writes into fresh caches. MLX is lazy, so the forward only builds
+    the graph (nothing is computed or allocated) and the arrays' shapes and dtypes are the ones a
+    real forward writes."""
+    caches = make_prompt_cache(model)
+    recurrent = [leaf for leaf in leaves(caches) if leaf_kind(leaf) == "recurrent"]
+    if not recurrent:
+        return 0
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    return sum(a.nbytes for leaf in recurrent for a in leaf.cache if a is not None)
+
+
+def cache_shape(built) -> CacheShape:
+    """The ``CacheShape`` of a built model (or of the layers a pipeline stage runs: the config's),
+    kept on it: the estimates ask for it at every point they price."""
+    if "cache_shape" not in built.__dict__:
+        built.__dict__["cache_shape"] = _cache_shape(built)
+    return built.__dict__["cache_shape"]
+
+
+def _cache_shape(built) -> CacheShape:
+    config, db = built.config, _dtype_bytes(built)
+    layers = config["num_hidden_layers"]
+    one = kv_bytes_per_slot(config, db)
+    kinds = built.footprint.layer_kinds
+    if not kinds or not any(kinds.get(k) for k in ("attention", "sliding", "linear")):
+        return CacheShape(per_slot=one * layers)
+    share = layers / built.footprint.layers  # 1, or a pipeline stage's part of the model
+    state = recurrent_state_bytes(built.model) if kinds["linear"] else 0
+    return CacheShape(per_slot=round(one * kinds["attention"] * share),
+                      window_per_slot=round(one * kinds["sliding"] * share),
+                      window=config.get("sliding_window") if kinds["sliding"] else None,
+                      state=round(state * share))
+
+
 def activation_bytes(config: dict, dtype_bytes: int, batch: int, tokens: int, kv_len: int) -> int:
     """Live activations of one decoder layer for a forward of batch x tokens over kv_len keys
     (MLX frees each layer's temporaries once the next consumes them):
@@ -212,7 +284,8 @@ def activation_bytes(config: dict, dtype_bytes: int, batch: int, tokens: int, kv
       gate/up/product (3 x moe_intermediate) plus the token copies SwitchGLU gathers and
       scatters when it sorts (2 x hidden; mlx_lm/models/switch_layers.py), shared experts
       (3 x their width) and the router's logits;
-    - attention scores and their softmax, batch x heads x tokens x kv_len in float32."""
+    - attention scores and their softmax, batch x heads x tokens x kv_len in float32; in a Mamba2
+      layer (Nemotron-H), its scan's (batch, heads, chunk, chunk) float32 matrices instead, where larger."""
     hidden = config["hidden_size"]
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
@@ -230,6 +303,9 @@ def activation_bytes(config: dict, dtype_bytes: int, batch: int, tokens: int, kv
         ffn = max(ffn, top_k * (3 * moe_width + 2 * hidden) + 3 * shared + experts)
     per_token = 6 * hidden + (heads + 2 * kv_heads) * head_dim + ffn
     scores = 2 * batch * heads * tokens * kv_len * SCORE_BYTES
+    if config.get("mamba_num_heads"):  # a Mamba2 layer's chunked scan, where it is the larger
+        chunk = min(tokens, SSM_CHUNK)
+        scores = max(scores, SSM_MATRICES * batch * config["mamba_num_heads"] * chunk * chunk * SCORE_BYTES)
     return batch * tokens * per_token * dtype_bytes + scores
 
 
@@ -288,26 +364,28 @@ def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], con
     """Peak of one sweep slice: the largest batch's cache is prefilled once, every smaller batch
     gets a copy of its rows, and all are timed in one schedule (so all are alive together); a
     forward grows a cache by its tokens before the rollback. With ``shortened``, every batch also
-    has a copy trimmed to a second context (a trimmed cache keeps its buffer)."""
+    has a copy trimmed to a second context (a trimmed cache keeps its buffer). A cache that does
+    not trim (windows, recurrent states) is restored from a snapshot of each, taken after the prefill."""
     config, db = built.config, _dtype_bytes(built)
-    # The config's layers are the ones this process caches (a pipeline stage holds fewer).
-    per_slot = kv_bytes_per_slot(config, db) * config["num_hidden_layers"]
+    shape = cache_shape(built)  # of the layers this process caches (a pipeline stage holds fewer)
     big = max(batches)
     rows = sum(b for b in set(batches) if b < big) + (sum(set(batches)) if shortened else 0)
     prefill = prefill_forwards(context, chunk)
     _, prefill_peak = kv_slots(prefill)
     grown, grow_peak = kv_slots(prefill + [max(tokens)])
-    weights = built.footprint.bytes_total
     step = max(tokens)
+    first = min(chunk, context)
+    snapshots = 0 if shape.plain_kv else (big + rows) * shape.bytes(prefill_peak, first)
+    weights = built.footprint.bytes_total
     forward = {"activations": activation_bytes(config, db, big, step, context + step),
                "logits": logits_bytes(config, big, step)}
     return phases(
         materialise=_materialise(built),
-        prefill={"weights": weights, "kv": big * per_slot * prefill_peak,
-                 "activations": activation_bytes(config, db, big, min(chunk, context), context)},
-        grid={"weights": weights, "kv": big * per_slot * grow_peak, **forward},
-        rows={"weights": weights, "kv": big * per_slot * grown, "kv_rows": rows * per_slot * grow_peak,
-              **forward},
+        prefill={"weights": weights, "kv": big * shape.bytes(prefill_peak, first),
+                 "activations": activation_bytes(config, db, big, first, context)},
+        grid={"weights": weights, "kv": big * shape.bytes(grow_peak, step), "snapshots": snapshots, **forward},
+        rows={"weights": weights, "kv": big * shape.bytes(grown, step),
+              "kv_rows": rows * shape.bytes(grow_peak, step), "snapshots": snapshots, **forward},
     )
 
 
@@ -329,12 +407,18 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     forward of gamma + 1 tokens, both logits and rejection sampling. ``draft`` None: self-draft.
     With ``mlx_lm_batch1``, mlx-lm's own generate loops hold a second pair of batch-1 caches."""
     db = _dtype_bytes(target)
-    models = [target] if draft is None else [target, draft]
-    per_slot = sum(kv_bytes_per_slot(m.config, db) * m.layers for m in models)
+    shapes = [cache_shape(m) for m in ([target] if draft is None else [target, draft])]
     prefill = prefill_forwards(context, chunk)
     _, prefill_peak = kv_slots(prefill)
     _, decode_peak = kv_slots(prefill + [new_tokens + gamma])
-    kv_batch1 = per_slot * decode_peak if mlx_lm_batch1 else 0
+    first = min(chunk, context)
+    kv_prefill = sum(s.bytes(prefill_peak, first) for s in shapes)
+    kv_decode = sum(s.bytes(decode_peak, gamma + 1) for s in shapes)
+    kv_batch1 = kv_decode if mlx_lm_batch1 else 0
+    # A cache that does not trim keeps its prefill's snapshot (to reset between timed runs) and
+    # the rollback's copy of its windows and states from before the round.
+    snapshots = sum(0 if s.plain_kv else s.bytes(prefill_peak, first) + s.snapshot_bytes(decode_peak, gamma + 1)
+                    for s in shapes)
     weights = {"weights": target.footprint.bytes_total}
     if draft is not None:
         weights["draft_weights"] = draft.footprint.bytes_total
@@ -342,10 +426,10 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     named = {"materialise": _materialise(target)}
     if draft is not None:
         named["materialise_draft"] = {**weights, "init_transient": _materialise(draft)["init_transient"]}
-    named["prefill"] = {**weights, "kv": batch * per_slot * prefill_peak,
+    named["prefill"] = {**weights, "kv": batch * kv_prefill,
                         "activations": activation_bytes(target.config, db, batch, min(chunk, context), context)}
     named["decode"] = {
-        **weights, "kv": batch * per_slot * decode_peak + kv_batch1,
+        **weights, "kv": batch * kv_decode + kv_batch1, "snapshots": batch * snapshots,
         "activations": activation_bytes(target.config, db, batch, gamma + 1, context + new_tokens + gamma),
         "logits": logits_bytes(target.config, batch, 2 * gamma + 1) + rejection_bytes(vocab, batch, gamma),
     }

@@ -100,12 +100,14 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
     weight_bytes = fp.bytes_dense_streamed
     if fp.experts:
         weight_bytes += theory.activated_experts(n, fp.experts, fp.top_k) * fp.bytes_per_expert
-    layers = config["num_hidden_layers"]  # those this process runs (a pipeline stage: fewer)
-    per_slot = memory.kv_bytes_per_slot(config, models.DTYPES[built.dtype].size) * layers
-    moved = weight_bytes + batch * context * per_slot
+    shape = memory.cache_shape(built)  # of the layers this process runs (a pipeline stage: fewer)
+    moved = weight_bytes + batch * shape.bytes(context)
+    # attention over the context, in the layers that keep keys (a window's over at most its size)
+    one_layer = memory.kv_bytes_per_slot(config, models.DTYPES[built.dtype].size)
+    attended = (shape.bytes(context) - shape.state) / one_layer if one_layer else 0
     heads = config.get("num_attention_heads", 1)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    flop = 2 * fp.params_active * n + 4 * n * context * heads * head_dim * layers
+    flop = 2 * fp.params_active * n + 4 * n * heads * head_dim * attended
     return max(moved / rates.bandwidth_bytes_s, flop / rates.flops)
 
 
