@@ -257,3 +257,20 @@ def test_a_fit_without_drafter_reports_target_efficiency_not_a_verdict(tmp_path)
     assert "No verdict on speedup: speedups need the drafter step T_D(B,1)" in md
     assert "a verify window of gamma+1 tokens costs" in md
     assert not (tmp_path / "figures" / "speedup.png").exists()
+
+
+def test_an_invalid_sd_run_is_marked_and_left_out_of_the_verdict(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    doc = next(iter(data["spec"].values()))
+    bad = next(r for r in doc["runs"] if r["batch"] == 1)
+    bad["measured_speedup"] = 9.99  # what a rollback that did nothing might time
+    bad["valid"], doc["valid"] = False, False
+    bad["rollback"] = {"strategy": "trim", "requested": "auto", "cache_kinds": ["ArraysCache", "KVCache"],
+                       "rounds": {"target": {"trim": 3}, "draft": {"trim": 3}},
+                       "audit": {"ok": False, "max_abs_diff": 0.41, "tolerance": 1e-3}}
+    md = report.write_report(data, tmp_path)["markdown"].read_text()
+    assert (f"INVALID B=1 gamma={bad['gamma']}: caches differ from plain decoding by 0.41 (tolerance 0.001); "
+            "its speedup is not a measurement of SD") in md
+    assert "trim, AUDIT FAILED" in md
+    verdict_text = md[md.index("## Verdict"):md.index("## Answers")]
+    assert "9.99" not in verdict_text

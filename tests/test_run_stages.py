@@ -89,3 +89,27 @@ def test_cli_run_into_an_unwritable_folder_is_one_line(tmp_path):
     assert result.stderr.startswith("Error: cannot write results to ")
     assert len(result.stderr.strip().splitlines()) == 1
     assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.slow
+def test_an_sd_run_that_fails_its_audit_fails_its_stage_and_is_measured_again(tmp_path, monkeypatch):
+    real = spec.run_spec
+
+    def invalid(*args, **kwargs):
+        document = real(*args, **kwargs)
+        document["runs"][0]["valid"] = document["valid"] = False
+        return document
+
+    monkeypatch.setattr(spec, "run_spec", invalid)
+    store = ResultsStore(tmp_path / "results.json", META)
+    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
+    assert outcome.exit_status == 3
+    assert "failed its SD audit" in outcome.skipped["spec tiny-moe"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert next(iter(saved["spec"].values()))["valid"] is False  # kept, for the report to mark
+
+    monkeypatch.undo()  # a rerun measures the invalid document again
+    outcome = stages.run_all(tiny_plan(), ResultsStore(tmp_path / "results.json", META), Machine(), None)
+    assert outcome.skipped == {} and outcome.exit_status == 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert next(iter(saved["spec"].values()))["valid"] is True

@@ -8,7 +8,13 @@ prediction that read them.
 
 from __future__ import annotations
 
-__all__ = ["decoding_context", "measured_acceptance", "run_alpha"]
+__all__ = ["decoding_context", "measured_acceptance", "run_alpha", "valid_runs"]
+
+
+def valid_runs(runs: list[dict]) -> list[dict]:
+    """The runs a verdict may use: all but those marked invalid (a failed rollback audit or a
+    greedy mismatch that is no near-tie, docs/design.md §4.7); runs made before the audit count."""
+    return [r for r in runs if r.get("valid", True)]
 
 
 def decoding_context(prompt: float, new_tokens: int) -> float:
@@ -49,7 +55,7 @@ def measured_acceptance(spec_doc: dict) -> list[dict]:
         for rule, stats in rules.items():
             groups.setdefault((entry["temperature"], rule), []).append({**stats, "gamma": entry["gamma"]})
     if not entries:
-        for run in spec_doc["runs"]:
+        for run in valid_runs(spec_doc["runs"]):
             if run.get("mode") == "real" and run.get("rounds"):
                 rule = "greedy" if run.get("temperature", 0) == 0 else "mlx-lm"
                 groups.setdefault((run.get("temperature", 0.0), rule), []).append(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mac_moesd.analysis import break_even, theory
+from mac_moesd.analysis import break_even, spec_runs, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
 __all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term", "round_cost",
@@ -116,7 +116,7 @@ def timed_run(runs: list[dict], row: dict) -> dict | None:
     acceptance rule the timed runs use (not exact rejection sampling, which they do not run)."""
     if row.get("rule") == "rejection":
         return None
-    return next((r for r in runs if r["batch"] == row["batch"] and r["gamma"] == row["gamma"]
+    return next((r for r in spec_runs.valid_runs(runs) if r["batch"] == row["batch"] and r["gamma"] == row["gamma"]
                  and r.get("temperature", 0) == row.get("temperature", 0)), None)
 
 

@@ -464,6 +464,22 @@ def rollback_cell(run: dict) -> str:
     return f"{record['strategy']}, {'audit ok' if record['audit']['ok'] else 'AUDIT FAILED'}"
 
 
+def round_cell(run: dict) -> str:
+    """A timed round's parts as the SD stage priced them: the drafter's steps, the verify forward,
+    rejection sampling and the rollback (its cost times how often a round rejects); "-" for runs
+    made before the parts were timed, and no rollback part for runs before it was."""
+    parts = run.get("round")
+    if not parts:
+        return "-"
+    shown = [parts["draft_s"], parts["verify_s"], parts["reject_s"]]
+    if "rollback_s" in parts:
+        shown.append(parts["rollback_s"])
+    return " + ".join(seconds(v) for v in shown) + f" = {seconds(parts['round_s'])}"
+
+
+ROUND_HEADER = "round: draft + verify + reject + rollback"
+
+
 def invalid_lines(doc: dict) -> list[str]:
     """One line per invalid run of a spec document: its configuration and why."""
     lines = []

@@ -10,7 +10,8 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import spec_runs, theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.measure.routing import prompts_label
-from mac_moesd.reporting.formatting import measured_speedup, plain_vs_sweep, precision_note, predicted_cells
+from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, measured_speedup, plain_vs_sweep,
+                                             precision_note, predicted_cells, rollback_cell, round_cell)
 from mac_moesd.units import human_bytes
 
 __all__ = ["first_lines", "pair_blocks"]
@@ -147,7 +148,8 @@ def _timed(doc: dict, row: dict) -> list[dict]:
     sampling, which the timed runs do not use)."""
     if row["rule"] == "rejection":
         return []
-    return [r for r in doc["runs"] if r["batch"] == row["batch"] and r.get("temperature", 0) == row["temperature"]]
+    return [r for r in spec_runs.valid_runs(doc["runs"])
+            if r["batch"] == row["batch"] and r.get("temperature", 0) == row["temperature"]]
 
 
 def _worth(run: dict) -> str:
@@ -205,7 +207,8 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     rows, lines = [], []
     for prompt_set, doc in docs.items():
         accepted = spec_runs.measured_acceptance(doc)
-        for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches, runs=doc["runs"]):
+        for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches,
+                                        runs=spec_runs.valid_runs(doc["runs"])):
             run = verdict.timed_run(doc["runs"], row)
             fastest = max(_timed(doc, row), key=lambda r: r["measured_speedup"], default=None)
             rows.append([prompt_set, f"{row['temperature']:g}", row["rule"], f"{row['alpha']:.2f}",
@@ -296,21 +299,25 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
                          r["engine"], "-" if r["alpha"] is None else f"{r['alpha']:.2f}",
                          f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                          measured_speedup(r), *predicted_cells(r, pred), plain_vs_sweep(r),
-                         "-" if not rules else f"{rules['projected_speedup_rejection']:.2f}"])
+                         "-" if not rules else f"{rules['projected_speedup_rejection']:.2f}",
+                         round_cell(r), rollback_cell(r)])
     if not rows:
         return []
     runs = [r for doc in docs.values() for r in doc["runs"]]
     blocks = [("h3", "Measured against predicted speedup"),
               ("table", ["prompt set", "temperature", "B", "gamma", "engine", "alpha", "plain tok/s",
                          "SD tok/s", "measured S", "predicted (timed parts)", "error", "predicted (fit)",
-                         "error", "plain vs sweep", "S with exact rejection"], rows),
+                         "error", "plain vs sweep", "S with exact rejection", ROUND_HEADER, "rollback"], rows),
               ("p", "Batch 1 runs mlx-lm's `speculative_generate_step` against its `generate_step`; larger "
                     "batches the suite's loop with the drafter's real drafts, B prompts of the set at a time. "
                     + precision_note(runs) + " The first prediction prices a round from the forwards the SD "
                     "stage timed beside its pairs, the second comes from the fit; both at the run's own alpha "
                     "and prompt length. Plain vs sweep: this stage's plain step over the sweep's, flagged "
                     "beyond 15%. The last column scales the measured speedup by exact rejection sampling's "
-                    "gain in tokens per round over mlx-lm's rule (temperature > 0).")]
+                    "gain in tokens per round over mlx-lm's rule (temperature > 0). The rollback column says "
+                    "how the caches went back after rejected drafts and whether the audit against plain "
+                    "decoding passed; an invalid run is left out of the verdict.")]
+    blocks += [("p", f"**{line}**") for doc in docs.values() for line in invalid_lines(doc)]
     return blocks + ([("figure", "measured_vs_predicted", "Measured against predicted SD speedup for this "
                        "pair (dashed: equal).")] if "measured_vs_predicted" in figures else [])
 

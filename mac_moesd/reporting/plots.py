@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mac_moesd.analysis import theory  # noqa: E402
+from mac_moesd.analysis.spec_runs import valid_runs  # noqa: E402
 from mac_moesd.analysis.digest import Digest  # noqa: E402
 
 DPI = 110
@@ -241,7 +242,7 @@ def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
         if predictor is None:
             continue
         for prompt_set, doc in d.pair_spec(p).items():
-            for r in doc["runs"]:
+            for r in valid_runs(doc["runs"]):
                 if run_alpha(r) is not None:
                     points.append((prompt_set, r["batch"], r["measured_speedup"], run_prediction(predictor, r, doc)))
     if not points:

@@ -17,10 +17,12 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.reporting.serving_section import draw as draw_serving, serving_blocks
-from mac_moesd.analysis import expert_reads, theory, verdict
+from mac_moesd.analysis import expert_reads, spec_runs, theory, verdict
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.results import parse_point_key
-from mac_moesd.reporting.formatting import (measured_speedup, plain_vs_sweep, precision_note, predicted_cells, kv_lines, one_row_lines, pipelining_lines, roofline_shrunk_line,
+from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, measured_speedup, plain_vs_sweep,
+                                             precision_note, predicted_cells, kv_lines, one_row_lines,
+                                             pipelining_lines, rollback_cell, roofline_shrunk_line, round_cell,
                                              routing_sentence, seconds, throttled_lines)
 
 __all__ = ["build_blocks", "write_report"]
@@ -140,7 +142,7 @@ def _measured_lead(d: Digest, fit: dict) -> str:
     predictor = fit_module.speedup_predictor(fit)
     model = fit_module.FittedModel.from_document(fit)
     found = [(r, doc) for doc in d.spec if doc.get("target") == fit["model"]
-             for r in doc.get("runs", []) if r["batch"] == 1 and r.get("measured_speedup")]
+             for r in spec_runs.valid_runs(doc.get("runs", [])) if r["batch"] == 1 and r.get("measured_speedup")]
     if not found:
         return ""
     best, _ = max(found, key=lambda x: x[0]["measured_speedup"])
@@ -420,7 +422,8 @@ def _spec(d: Digest) -> list:
             rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),
                          "-" if r["alpha"] is None else f"{r['alpha']:.2f}", r["mode"],
                          f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
-                         measured_speedup(r), *predicted_cells(r, pred), plain_vs_sweep(r)])
+                         measured_speedup(r), *predicted_cells(r, pred), plain_vs_sweep(r),
+                         round_cell(r), rollback_cell(r)])
         how = (f"the fit's (`{fitted['chosen']}` expert loads) at each run's realised alpha and context"
                if predictor else "the fit's as stored with the run")
         blocks.append(("p", f"{s['target']} with drafter {s['draft']}, context {s['context']}, "
@@ -431,10 +434,14 @@ def _spec(d: Digest) -> list:
                        "runs alpha is imposed (the table's), and the draws scatter around it; predictions "
                        "use the alpha each run realised, solved from its mean accepted draft tokens per "
                        "round. Plain vs sweep: this stage's plain step over the sweep's, flagged beyond "
-                       "15% (the machine's speed changed between the two stages)."))
+                       "15% (the machine's speed changed between the two stages). The round's timed parts "
+                       "include the rollback of rejected drafts, priced by how often a round rejects; the "
+                       "rollback column says how the caches went back and whether the audit against plain "
+                       "decoding passed (docs/design.md §4.7)."))
         blocks.append(("table", ["B", "gamma", "verify tokens", "alpha", "mode", "plain tok/s", "SD tok/s",
                                  "measured S", "predicted (timed parts)", "error", "predicted (fit)", "error",
-                                 "plain vs sweep"], rows))
+                                 "plain vs sweep", ROUND_HEADER, "rollback"], rows))
+        blocks += [("p", f"**{line}**") for line in invalid_lines(s)]
     return blocks
 
 
