@@ -3,12 +3,14 @@ RolledBackCache, on a stand-in model whose caches hold the token ids themselves:
 sequence b holds prompt[b, t], so every expected value is read off the prompt."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, ConcatenateKVCache, KVCache,
                                  QuantizedKVCache, RotatingKVCache)
 
 from mac_moesd import mlxlm_compat
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.inputs import models
 from mac_moesd.measure import cache_copy
 from mac_moesd.measure.rolled_cache import RolledBackCache
 
@@ -132,3 +134,37 @@ def test_a_cache_whose_state_layout_changed_is_refused(monkeypatch):
     monkeypatch.setitem(mlxlm_compat.CACHE_LAYOUTS, "KVCache", ("rows", "rows"))
     with pytest.raises(MacMoesdError, match=r"needs mlx-lm >=0.32,<0.33 \(KVCache.state with 2 fields"):
         cache_copy.copy_cache(KVCache())
+
+
+def held_arrays(caches) -> list:
+    """Every array a cache holds as its state: a KV cache's up to its offset (the spare slots
+    past it are not part of the context), a window's whole buffer, a recurrent layer's states."""
+    out = []
+    for leaf in leaves(caches):
+        if isinstance(leaf, ArraysCache):
+            state = leaf.state[0]
+        elif isinstance(leaf, RotatingKVCache):
+            state = leaf.state[:2]
+        else:
+            state = [a[..., : leaf.offset, :] for a in leaf.state[:2]]
+        out += [np.array(a) for a in state if a is not None]
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid-moe", "tiny-swa-moe", "tiny-mamba-moe"])
+@pytest.mark.parametrize("settle", [True, False], ids=["synchronous", "in a pipelined chain"])
+def test_a_hybrid_or_full_window_cache_goes_back_bit_for_bit(name, settle):
+    """After timed forwards of 1 and 4 tokens, every array of every cache equals the prefill's,
+    bit for bit (context 24 fills tiny-swa-moe's 16-token window)."""
+    built = models.build(models.resolve(name))
+    built.materialise()
+    rolled = RolledBackCache(built.model, 2, 24, 4096)
+    assert not rolled.trimmable
+    before = held_arrays(rolled.cache)
+    for tokens in (1, 4, 1):
+        out = built.model(mx.random.randint(0, 4096, (2, tokens)), cache=rolled.cache)
+        rolled.rollback(tokens, settle=settle)
+        mx.eval(out, cache_copy.arrays(rolled.cache))
+        after = held_arrays(rolled.cache)
+        assert len(after) == len(before)
+        assert all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(after, before))

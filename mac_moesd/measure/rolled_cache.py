@@ -40,12 +40,29 @@ class RolledBackCache:
         # Snapshot for the others: copies, since the caches write their arrays in place.
         self.snapshot = None if self.trimmable else [cache_copy.copy_cache(c) for c in self.cache]
 
-    def rollback(self, tokens: int) -> None:
+    def rollback(self, tokens: int, settle: bool = True) -> None:
+        """Undo the last ``tokens`` tokens. A cache that does not trim goes back leaf by leaf: KV
+        leaves (and windows not yet full) are trimmed, recurrent states take back the snapshot's
+        arrays themselves (the recurrent layers rebind their state, never write into it, so the
+        snapshot stays exact at no cost), and a full window gets a copy of the snapshot's (its
+        one-token writes go into its buffer in place). With ``settle`` the copies are made now,
+        so that their cost lands here (untimed) and not in the next forward; a pipelined chain,
+        which must not wait, passes False."""
         if self.trimmable:
             trim_prompt_cache(self.cache, tokens)
         else:
-            for c, saved in zip(self.cache, self.snapshot):
-                cache_copy.restore(c, saved)
+            copied = []
+            for leaf, saved in zip(leaves(self.cache), leaves(self.snapshot)):
+                kind = leaf_kind(leaf)
+                if kind == "kv" or (kind == "sliding" and leaf.is_trimmable()):
+                    leaf.trim(tokens)
+                elif kind == "recurrent":
+                    leaf.cache = list(saved.cache)
+                else:
+                    cache_copy.restore(leaf, saved)
+                    copied += cache_copy.arrays([leaf])
+            if settle and copied:
+                mx.eval(copied)
         offsets = set(cache_copy.offsets(self.cache))
         if offsets - {self.context}:
             raise MacMoesdError(f"KV cache not restored: offsets {sorted(offsets)}, want {self.context}")
