@@ -168,3 +168,16 @@ def test_a_hybrid_or_full_window_cache_goes_back_bit_for_bit(name, settle):
         after = held_arrays(rolled.cache)
         assert len(after) == len(before)
         assert all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid-moe", "tiny-swa-moe"])
+def test_a_cache_that_cannot_trim_gives_the_second_context_its_prefill_passed(name):
+    built = models.build(models.resolve(name))
+    built.materialise()
+    prompt = mx.random.randint(0, 4096, (2, 40))
+    parent = RolledBackCache(built.model, 2, 40, 4096, prompt, also_at=20)
+    short = parent.shortened(2, 20)
+    alone = RolledBackCache(built.model, 2, 20, 4096, prompt[:, :20])
+    assert short.context == 20 and set(cache_copy.offsets(short.cache)) <= {20}
+    assert all(np.array_equal(a, b) for a, b in zip(held_arrays(short.cache), held_arrays(alone.cache)))
+    assert parent.shortened(1, 10) is None  # a context its prefill did not pass

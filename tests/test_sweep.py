@@ -3,11 +3,10 @@ import json
 import mlx.core as mx
 import pytest
 from conftest import TINY_BUDGET
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
 from mac_moesd.analysis import depth
-from mac_moesd.inputs import cache_kinds, models, zoo
+from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import sweep
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore, load_results
@@ -36,15 +35,11 @@ def test_every_zoo_architecture_runs_a_timed_forward_with_rollback(entry, config
     assert doc["layers_measured"] == [config["num_hidden_layers"]] and not doc["extrapolated"]
     assert doc["footprint"]["params_total"] > 0
     (stored,) = store.data["sweeps"].values()
-    # A window filled past its size (gpt-oss) or a recurrent state (the Qwen3-Next and Nemotron-H
-    # hybrids) cannot go back to the second context, so those models are timed at one context and say so.
-    built = models.build(models.resolve(str(folder)))
-    one_context = {cache_kinds.leaf_kind(c) for c in cache_kinds.leaves(make_prompt_cache(built.model))} != {"kv"}
-    assert bool(stored.get("kv_untrimmable")) == one_context
-    if one_context:
-        assert doc["kv_points"] is None and any("cannot be trimmed back" in w for w in doc["warnings"])
-    else:
-        assert [p["batch"] for p in doc["kv_points"]["points"]] == [1, 2]
+    # Every cache goes back to the second context: KV layers trimmed, and a window filled past its
+    # size (gpt-oss) or a recurrent state (the Qwen3-Next and Nemotron-H hybrids) copied as the
+    # prefill passed it.
+    assert not stored.get("kv_untrimmable")
+    assert [p["batch"] for p in doc["kv_points"]["points"]] == [1, 2]
 
 
 def test_rollback_restores_cache_and_output(config_dir):

@@ -375,7 +375,10 @@ def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], con
     grown, grow_peak = kv_slots(prefill + [max(tokens)])
     step = max(tokens)
     first = min(chunk, context)
-    snapshots = 0 if shape.plain_kv else (big + rows) * shape.bytes(prefill_peak, first)
+    # A cache that does not trim keeps a snapshot per copy, and with ``shortened`` the prefill's
+    # copy at the second context (counted at full length: an upper bound).
+    copies = big + rows + (big if shortened else 0)
+    snapshots = 0 if shape.plain_kv else copies * shape.bytes(prefill_peak, first)
     weights = built.footprint.bytes_total
     forward = {"activations": activation_bytes(config, db, big, step, context + step),
                "logits": logits_bytes(config, big, step)}

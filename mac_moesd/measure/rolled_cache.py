@@ -24,19 +24,32 @@ PREFILL_CHUNK = 512  # tokens per prefill forward
 class RolledBackCache:
     """A prompt cache prefilled to ``context``; ``rollback`` undoes the last forward, ``reset``
     everything since the prefill. ``prompt`` (batch, context) defaults to random token ids. Every
-    cache class of mlx-lm 0.32 is handled (``cache_copy``); another is refused when copied."""
+    cache class of mlx-lm 0.32 is handled (``cache_copy``); another is refused when copied.
 
-    def __init__(self, model, batch: int, context: int, vocab: int, prompt: mx.array | None = None):
+    ``also_at``: a shorter context ``shortened`` will be asked for. A cache that cannot trim back
+    to it (a recurrent state, a full window) is copied when the prefill passes it, so the same
+    prompt at the shorter context needs no second prefill."""
+
+    def __init__(self, model, batch: int, context: int, vocab: int, prompt: mx.array | None = None,
+                 also_at: int | None = None):
         self.cache = make_prompt_cache(model)
         self.batch, self.context = batch, context
-        if prompt is None:
-            prompt = mx.random.randint(0, vocab, (batch, context))
-        for start in range(0, context, PREFILL_CHUNK):
-            model(prompt[:, start : start + PREFILL_CHUNK], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
         # Only plain KV layers trim back whatever the decode did (a window stops trimming once
         # full; a recurrent state never trims, and mlx-lm then trims no layer at all).
         self.trimmable = all(leaf_kind(leaf) == "kv" for leaf in leaves(self.cache))
+        self.short: tuple[int, list] | None = None  # (context, copies of the caches there)
+        if prompt is None:
+            prompt = mx.random.randint(0, vocab, (batch, context))
+        cuts = set(range(0, context, PREFILL_CHUNK))
+        if also_at and not self.trimmable and 0 < also_at < context:
+            cuts.add(also_at)
+        cuts = sorted(cuts) + [context]
+        for start, end in zip(cuts, cuts[1:]):
+            model(prompt[:, start:end], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            if end == also_at and not self.trimmable:
+                self.short = (end, [cache_copy.copy_cache(c) for c in self.cache])
+                mx.eval(cache_copy.arrays(self.short[1]))
         # Snapshot for the others: copies, since the caches write their arrays in place.
         self.snapshot = None if self.trimmable else [cache_copy.copy_cache(c) for c in self.cache]
 
@@ -75,7 +88,7 @@ class RolledBackCache:
         per-sequence array holds the batch on axis 0), so one prefill serves every smaller batch."""
         self.reset()
         out = object.__new__(RolledBackCache)
-        out.batch, out.context, out.trimmable = batch, self.context, self.trimmable
+        out.batch, out.context, out.trimmable, out.short = batch, self.context, self.trimmable, None
         out.cache = [cache_copy.copy_cache(c, batch) for c in self.cache]
         out.snapshot = None if self.snapshot is None else [cache_copy.copy_cache(s, batch) for s in self.snapshot]
         mx.eval(cache_copy.arrays(out.cache), cache_copy.arrays(out.snapshot or []))
@@ -83,10 +96,17 @@ class RolledBackCache:
 
     def shortened(self, batch: int, context: int) -> RolledBackCache | None:
         """The first ``batch`` sequences trimmed back to their first ``context`` tokens, as a cache
-        of their own: the same prompt at a shorter context, with no second prefill. None where
-        the cache cannot go back that far (``can_shorten`` says so before any prefill)."""
+        of their own: the same prompt at a shorter context, with no second prefill. A cache that
+        does not trim gives the copy its prefill made there (``also_at``); None where it made none."""
         if not self.trimmable:
-            return None
+            if self.short is None or self.short[0] != context:
+                return None
+            out = object.__new__(RolledBackCache)
+            out.batch, out.context, out.trimmable, out.short = batch, context, False, None
+            out.cache = [cache_copy.copy_cache(c, batch) for c in self.short[1]]
+            out.snapshot = [cache_copy.copy_cache(c, batch) for c in self.short[1]]
+            mx.eval(cache_copy.arrays(out.cache), cache_copy.arrays(out.snapshot))
+            return out
         out = self.rows(batch)
         trim_prompt_cache(out.cache, self.context - context)
         if set(cache_copy.offsets(out.cache)) != {context}:

@@ -31,6 +31,7 @@ from mac_moesd.analysis.depth import extrapolate, second_context_points
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.inputs import models, zoo
+from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 from mac_moesd.measure import cache_copy, routing, timing
 from mac_moesd.measure.rolled_cache import PREFILL_CHUNK, RolledBackCache, batch_caches
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
@@ -270,7 +271,7 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     def cache_for(batch: int) -> RolledBackCache:
         nonlocal parent
         if parent is None:
-            parent = RolledBackCache(built.model, big, cfg.context, vocab)
+            parent = RolledBackCache(built.model, big, cfg.context, vocab, also_at=short)
         return parent if batch == big else parent.rows(batch)
 
     # Every missing point of every batch goes into one shuffled schedule: a batch's points timed
@@ -349,14 +350,18 @@ def kv_context_of(cfg: SweepConfig, entry: dict) -> int | None:
 
 
 def can_shorten(model, context: int) -> bool:
-    """Whether every layer's cache, prefilled to ``context``, can be trimmed back to a shorter one:
-    plain, quantized and concatenating KV caches can; a sliding window filled to its size, a
-    chunked cache past its chunk and a state-space layer's cache cannot (``cache_copy.can_shorten``)."""
-    return all(cache_copy.can_shorten(c, context) for c in make_prompt_cache(model))
+    """Whether one prefill to ``context`` also gives a shorter context: a cache of plain KV layers
+    is trimmed back to it (plain, quantized and concatenating ones can; a chunked one past its
+    chunk cannot: ``cache_copy.can_shorten``); one with windows or recurrent states is copied as
+    the prefill passes it (``RolledBackCache``'s ``also_at``)."""
+    caches = make_prompt_cache(model)
+    if any(leaf_kind(leaf) != "kv" for leaf in leaves(caches)):
+        return True
+    return all(cache_copy.can_shorten(c, context) for c in caches)
 
 
-UNTRIMMABLE = ("{model}'s KV cache cannot be trimmed back to a shorter context (sliding-window, chunked "
-               "or state-space layers), so its one-token points are timed at one context only")
+UNTRIMMABLE = ("{model}'s KV cache cannot be trimmed back to a shorter context (a chunked cache past its "
+               "chunk), so its one-token points are timed at one context only")
 
 
 def timed_config(source: models.ModelSource, cfg: SweepConfig) -> tuple[SweepConfig, str | None]:

@@ -21,8 +21,9 @@ __all__ = ["DEFAULT_VERIFY", "FitInputs", "NO_DRAFT", "NO_PIPELINED", "NO_REJECT
 DEFAULT_VERIFY = "gamma+1"  # what the measured loops and mlx-lm feed the target; MoESD writes gamma
 NO_DRAFT = "speedups need the drafter step T_D(B,1): rerun the sweep with --draft DRAFT"
 NO_REJECT = "speedups need the rejection-sampling step T_rej(B): rerun the sweep with --draft DRAFT"
-ONE_CONTEXT_ONLY = ("the model's KV cache cannot be trimmed back to a shorter context (sliding-window, "
-                    "chunked or state-space layers), so the sweep timed one context: the KV term k_kv*B*L "
+ONE_CONTEXT_ONLY = ("the model's KV cache could not go back to a shorter context (a chunked cache, or a "
+                    "window or state-space cache in a sweep made before they were copied), so the sweep "
+                    "timed one context: the KV term k_kv*B*L "
                     "also carries every cost per sequence, and predictions at other contexts overstate its growth")
 NO_SECOND_CONTEXT = ("no one-token points at a second context: the KV term k_kv*B*L also carries every "
                      "cost per sequence, so predictions at other contexts overstate its growth; rerun "
