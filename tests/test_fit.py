@@ -369,3 +369,20 @@ def test_sort_threshold_read_from_mlx_lm_or_defaulted(monkeypatch):
     monkeypatch.setattr(fit_inputs.inspect, "getsource", unreadable)
     threshold, source = fit.mlx_sort_threshold()
     assert threshold == theory.MLX_SORT_THRESHOLD and source.startswith("default")
+
+
+def test_a_hybrid_target_or_drafter_is_fitted_to_re_forward_its_rollback():
+    data = json.loads((Path(__file__).parent / "data" / "results_quick_cpu.json").read_text())
+    assert fit_inputs.inputs_from_results(data, "tiny-moe").reforward == ()  # plain KV caches: trims
+    for entry in data["sweeps"].values():
+        if entry["model"] == "tiny-moe":
+            entry["footprint"]["layer_kinds"] = {"attention": 1, "sliding": 0, "linear": 3, "moe": 4, "mlp": 0}
+    for entry in data["draft"].values():
+        entry["footprint"]["layer_kinds"] = {"attention": 2, "sliding": 0, "linear": 6, "moe": 0, "mlp": 8}
+    inputs = fit_inputs.inputs_from_results(data, "tiny-moe")
+    assert inputs.reforward == ("target", "draft")
+    doc = fit.fit_document(fit.fit(inputs))
+    assert doc["reforward"] == ["target", "draft"]
+    model = fit.FittedModel.from_document(doc)
+    assert float(model.rollback_time(1, 4, 0.7, 64)) > 0
+    assert float(dataclasses.replace(model, reforward=()).speedup(1, 4, 0.7, 64)) > float(model.speedup(1, 4, 0.7, 64))

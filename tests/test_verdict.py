@@ -26,10 +26,31 @@ def test_round_cost_worked_by_hand():
     # S = 3.3616 * 1.0 / 1.6 = 2.101.
     model = FittedModel.from_document(_fit(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3,
                                            draft_k=0.0, chosen="pairs"))
-    cost = verdict.round_cost(model, 1, 4, 64)
+    cost = verdict.round_cost(model, 1, 4, 64, 0.7)
     assert (cost.plain, cost.verify, cost.draft, cost.reject) == pytest.approx((1.0e-3, 1.2e-3, 0.4e-3, 0.0))
     assert cost.speedup(3.3616) == pytest.approx(2.101)
     assert float(model.speedup(1, 4, 0.8, 64)) == pytest.approx(2.101)
+
+
+def test_a_model_that_re_forwards_pays_its_rollback_in_the_round():
+    # The model above, its target a hybrid (a recurrent state: a rolled-back round re-forwards the
+    # tokens it keeps). alpha 0.8, gamma 4, B = 1: a round rolls back with p = 1 - 0.8^4 = 0.5904;
+    # E[accepted] = 0.8 + 0.64 + 0.512 + 0.4096 = 2.3616, so given a rejection it is
+    # (2.3616 - 4*0.4096) / 0.5904 = 1.22493 and 2.22493 tokens are re-forwarded:
+    # T(2.22493) = 0.95 + 0.05*2.22493 = 1.06125 ms; rollback 0.5904 * 1.06125 = 0.62656 ms a round;
+    # S = 3.3616 / (1.6 + 0.62656) = 1.50977 (2.101 without the rollback).
+    doc = _fit(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3, draft_k=0.0, chosen="pairs")
+    doc["reforward"] = ["target"]
+    model = FittedModel.from_document(doc)
+    assert float(theory.kept_on_rollback(0.8, 4, 1)) == pytest.approx(2.22493, abs=1e-5)
+    cost = verdict.round_cost(model, 1, 4, 64, 0.8)
+    assert cost.rollback == pytest.approx(0.62656e-3, rel=1e-4)
+    assert float(model.speedup(1, 4, 0.8, 64)) == pytest.approx(1.50977, abs=1e-4) == cost.speedup(3.3616)
+    # Every draft accepted: nothing rolls back; none accepted at B = 4: one token kept, p = 1.
+    assert float(model.rollback_time(1, 4, 1.0, 64)) == 0.0
+    assert float(theory.kept_on_rollback(0.0, 4, 4)) == 1.0 and float(theory.rollback_probability(0.0, 4, 4)) == 1.0
+    assert verdict.deciding_term(model, 1, 4, 0.8, 64)["round_share"]["rollback"] == pytest.approx(
+        0.62656 / 2.22656, rel=1e-4)
 
 
 def test_round_cost_prices_forwards_as_the_loops_run_them():
@@ -40,7 +61,7 @@ def test_round_cost_prices_forwards_as_the_loops_run_them():
     doc = _fit(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3, draft_k=0.0, chosen="pairs")
     doc["pipelining"] = {"target_s": 0.1e-3, "draft_s": 0.04e-3, "target_points": 4, "draft_points": 4}
     model = FittedModel.from_document(doc)
-    cost = verdict.round_cost(model, 1, 4, 64)
+    cost = verdict.round_cost(model, 1, 4, 64, 0.7)
     assert (cost.plain, cost.verify, cost.draft) == pytest.approx((0.9e-3, 1.1e-3, 0.28e-3))
     assert cost.speedup(3.3616) == pytest.approx(2.19235, abs=1e-4)
     assert float(model.speedup(1, 4, 0.8, 64)) == pytest.approx(cost.speedup(3.3616))
@@ -130,7 +151,7 @@ def test_alpha_1_recommends_the_longest_draft():
 def test_gamma_1_round():
     # gamma 1 at alpha 0.5: Omega = (1 - 0.25) / 0.5 = 1.5; round = 0.1 + T(2) = 1.15 ms; S = 1.3043.
     model = FittedModel.from_document(_fit(**HAND))
-    cost = verdict.round_cost(model, 1, 1, 64)
+    cost = verdict.round_cost(model, 1, 1, 64, 0.7)
     assert cost.round == pytest.approx(1.15e-3)
     assert float(model.speedup(1, 1, 0.5, 64)) == pytest.approx(1.3043, abs=1e-4)
 

@@ -25,6 +25,8 @@ __all__ = [
     "activated_fraction",
     "bytes_per_param",
     "compute_transition",
+    "kept_on_rollback",
+    "rollback_probability",
     "correlated_activated_experts",
     "correlated_threshold",
     "correlated_tokens",
@@ -147,6 +149,28 @@ def expected_tokens_per_round(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
 def mean_accepted_length(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:
     """L = alpha*(1 - alpha^gamma)/(1 - alpha): draft tokens accepted per round (Omega less the bonus)."""
     return expected_tokens_per_round(alpha, gamma) - 1.0
+
+
+def rollback_probability(alpha: ArrayLike, gamma: ArrayLike, batch: ArrayLike = 1) -> np.ndarray:
+    """The chance that an SD round must roll its caches back: some sequence of the batch rejects
+    one of its gamma drafts, each accepted with probability alpha: 1 - alpha^(gamma*B)."""
+    alpha, gamma, batch = (np.asarray(x, dtype=float) for x in (alpha, gamma, batch))
+    return 1.0 - alpha ** (gamma * batch)
+
+
+def kept_on_rollback(alpha: ArrayLike, gamma: ArrayLike, batch: ArrayLike = 1) -> np.ndarray:
+    """Tokens a rolled-back round keeps (and a re-forward feeds again): the batch's shortest
+    accepted prefix, which the loops share, plus the token after it, given that some draft was
+    rejected. The shortest prefix m of B sequences has P(m >= j) = alpha^(jB), so
+    E[m] = sum_{j=1..gamma} alpha^(jB), and E[m | m < gamma] = (E[m] - gamma alpha^(gamma B)) / p
+    with p the ``rollback_probability``; 1 where a round never rolls back."""
+    alpha, batch = (np.asarray(x, dtype=float) for x in (alpha, batch))
+    gamma = int(gamma)
+    mean_min = sum(alpha ** (j * batch) for j in range(1, gamma + 1))
+    p = rollback_probability(alpha, gamma, batch)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kept = 1.0 + (mean_min - gamma * alpha ** (gamma * batch)) / p
+    return np.where(p > 0, kept, 1.0)
 
 
 def normalised_acceptance(alpha: ArrayLike, gamma: ArrayLike) -> np.ndarray:

@@ -34,22 +34,25 @@ class RoundCost:
     verify: float  # T_T(B, gamma+1)
     draft: float  # gamma * T_D(B,1)
     reject: float  # T_rej(B)
+    rollback: float = 0.0  # re-forwards after rejections, averaged over rounds (FittedModel.rollback_time)
 
     @property
     def round(self) -> float:
-        return self.draft + self.verify + self.reject
+        return self.draft + self.verify + self.reject + self.rollback
 
     def speedup(self, tokens_per_round: float) -> float:
         return tokens_per_round * self.plain / self.round
 
 
-def round_cost(model: FittedModel, batch: int, gamma: int, context: int,
+def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: float,
                verify: str = DEFAULT_VERIFY) -> RoundCost:
-    """The fitted model's prices of one round and one plain step at the run's context, each
-    forward as the loops run it (``FittedModel.step_times``, the account ``FittedModel.speedup``
-    uses), so ``round_cost(...).speedup(Omega)`` is the predicted S and the parts add up to it."""
+    """The fitted model's prices of one round at acceptance ``alpha`` and one plain step at the
+    run's context, each forward as the loops run it (``FittedModel.step_times`` and
+    ``rollback_time``, the account ``FittedModel.speedup`` uses), so ``round_cost(...).speedup(Omega)``
+    is the predicted S and the parts add up to it."""
     plain, verify_s, draft_step, reject = model.step_times(batch, gamma, context, verify)
-    return RoundCost(float(plain), float(verify_s), gamma * float(draft_step), float(reject))
+    rollback = model.rollback_time(batch, gamma, alpha, context)
+    return RoundCost(float(plain), float(verify_s), gamma * float(draft_step), float(reject), float(rollback))
 
 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
@@ -63,12 +66,13 @@ def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
 def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, context: int) -> dict:
     """Which term keeps S below 1 at (batch, gamma, alpha): the speedup with each term removed,
     the round's cost split, and the name of the term whose removal helps most."""
-    cost = round_cost(model, batch, gamma, context)
+    cost = round_cost(model, batch, gamma, context, alpha)
     omega = float(theory.expected_tokens_per_round(alpha, gamma))
     without = {
-        "drafter cost": omega * cost.plain / (cost.verify + cost.reject),
-        "verify cost": omega * cost.plain / (cost.draft + cost.plain + cost.reject),
-        "acceptance": cost.speedup(gamma + 1),
+        "drafter cost": omega * cost.plain / (cost.verify + cost.reject + cost.rollback),
+        "verify cost": omega * cost.plain / (cost.draft + cost.plain + cost.reject + cost.rollback),
+        # everything accepted: gamma+1 tokens a round, and no round rolls back
+        "acceptance": RoundCost(cost.plain, cost.verify, cost.draft, cost.reject).speedup(gamma + 1),
     }
     return {
         "term": max(without, key=without.get),
@@ -76,7 +80,7 @@ def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, cont
         "tokens_per_round": omega,
         "speedup_without": without,
         "round_share": {"drafter": cost.draft / cost.round, "verify": cost.verify / cost.round,
-                        "rejection": cost.reject / cost.round},
+                        "rejection": cost.reject / cost.round, "rollback": cost.rollback / cost.round},
         "verify_over_plain": cost.verify / cost.plain,
         "draft_step_over_plain": cost.draft / gamma / cost.plain,
     }
@@ -94,13 +98,15 @@ def verdict_rows(fit_doc: dict, acceptance: list[dict], context: int,
     for a in acceptance:
         for batch in batches:
             gamma, speedup = best_gamma(model, batch, a["alpha"], context)
-            cost = round_cost(model, batch, gamma, context)
+            cost = round_cost(model, batch, gamma, context, a["alpha"])
+            # The rollback priced at the measured alpha (it happens less often nearer break-even).
+            per_round = cost.reject + cost.rollback
             row = {**a, "batch": batch, "gamma": gamma, "predicted_speedup": speedup,
                    "pays_off": speedup > 1.0,
                    "break_even_alpha": break_even.break_even_alpha(cost.plain, cost.verify, cost.draft / gamma,
-                                                                    cost.reject, gamma),
+                                                                    per_round, gamma),
                    "break_even_draft_ratio": break_even.break_even_draft_ratio(
-                       cost.plain, cost.verify, cost.reject, gamma, a["alpha"])}
+                       cost.plain, cost.verify, per_round, gamma, a["alpha"])}
             if not row["pays_off"]:
                 row["deciding"] = deciding_term(model, batch, gamma, a["alpha"], context)
             run = timed_run(runs or [], row)
@@ -133,8 +139,8 @@ def agreement(run: dict, predicted: float, heldout_mape: float | None) -> dict:
 def differing_term(model: FittedModel, run: dict, context: float, alpha: float) -> dict | None:
     """Which part of the round differs most between the model's account and the timed run's own
     (``round``, timed in the SD stage): the plain step, the verify forward, the drafter's steps,
-    or acceptance (the verdict's alpha against the one the run realised); None for runs made
-    before their rounds were timed."""
+    the rollback (where the run timed one that costs something), or acceptance (the verdict's
+    alpha against the one the run realised); None for runs made before their rounds were timed."""
     measured = run.get("round")
     if not measured:
         return None
@@ -148,6 +154,9 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float) 
         "acceptance": (float(theory.expected_tokens_per_round(alpha, gamma))
                        / float(theory.expected_tokens_per_round(realised, gamma))) if realised is not None else None,
     }
+    if measured.get("rollback_s") and realised is not None:
+        ratios["rollback"] = (float(model.rollback_time(run["batch"], gamma, realised, context))
+                              / measured["rollback_s"])
     ratios = {k: v for k, v in ratios.items() if v is not None}
     term = max(ratios, key=lambda k: abs(ratios[k] - 1))
     return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}

@@ -111,12 +111,6 @@ def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: Ro
     return sample
 
 
-def reject_probability(alpha: float, gamma: int, batch: int) -> float:
-    """The chance that a round rolls back: some sequence of the batch rejects one of its gamma
-    drafts, each accepted with probability alpha."""
-    return 1.0 - alpha ** (gamma * batch)
-
-
 def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, gamma: int,
                      batch: int = 1) -> dict:
     """S(B, gamma) from a round's timed parts (``RoundParts.medians``), the plain decode's step
@@ -125,7 +119,7 @@ def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, g
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
     verify = max(parts["verify"] - hidden, 0.0)
     draft, reject = parts["draft"], parts.get("reject", 0.0)
-    rollback = parts.get("rollback", 0.0) * reject_probability(alpha, gamma, batch)
+    rollback = parts.get("rollback", 0.0) * float(theory.rollback_probability(alpha, gamma, batch))
     omega = float(theory.expected_tokens_per_round(alpha, gamma))
     round_s = draft + verify + reject + rollback
     return {"speedup": omega * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,

@@ -19,7 +19,7 @@ Format history (``schema``):
 - ``mac-moesd/3``: SD runs audited. A spec run gains ``rollback`` (how its caches were rolled
   back, and the audit of them against plain decoding) and ``valid``, a greedy check ``margin``,
   ``near_tie`` and ``valid``, a round ``rollback_s``, a spec document ``valid``, a footprint
-  ``layer_kinds``. Additions only again: a ``mac-moesd/2`` file reads as ``/3`` whose SD runs were
+  ``layer_kinds``, a fit ``reforward``. Additions only again: a ``mac-moesd/2`` file reads as ``/3`` whose SD runs were
   never audited (the report says "-" where the audit goes); a file written now says ``/3``.
 """
 
@@ -501,6 +501,7 @@ class FitDocument(TypedDict, total=False):
     model: str
     draft_model: str | None
     drafted: bool
+    reforward: list[str]  # target and/or draft: models whose rollback re-forwards the kept tokens
     experts: int
     top_k: int
     context: int

@@ -32,6 +32,7 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "model": i.model,
         "draft_model": i.draft_model,
         "drafted": i.drafted,
+        "reforward": list(i.reforward),
         "experts": i.experts,
         "top_k": i.top_k,
         "context": i.context,

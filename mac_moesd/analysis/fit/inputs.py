@@ -79,6 +79,7 @@ class FitInputs:
     draft_pipelined: tuple[tuple[int, float], ...] = ()
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts per (B, t); uniform default
     kv_points: tuple[tuple[int, int, int, float], ...] = ()  # (batch, tokens, context, seconds) at a second context
+    reforward: tuple[str, ...] = ()  # models whose rollback re-forwards: those with recurrent layers
 
     @property
     def drafted(self) -> bool:
@@ -147,6 +148,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         if side else (),
         routing=expert_reads.fit_routing(counts, footprint["experts"], footprint["top_k"]),
         kv_points=kv_points,
+        reforward=tuple(who for who, fp in (("target", footprint), ("draft", draft and draft.get("footprint")))
+                        if fp and fp.get("layer_kinds", {}).get("linear")),
     )
 
 

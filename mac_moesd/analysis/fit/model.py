@@ -43,6 +43,9 @@ class FittedModel:
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts the routing activates
     one_row: OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
     k_seq: float = 0.0  # seconds per sequence that do not grow with context (theory.kv_time)
+    # Which models re-forward the kept tokens when a round rolls back (a recurrent state cannot
+    # trim, docs/design.md §4.7): ``target`` and/or ``draft``; none for plain KV caches.
+    reforward: tuple[str, ...] = ()
 
     def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True,
                active=None) -> np.ndarray:
@@ -73,7 +76,27 @@ class FittedModel:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
         (``pipelining``); a self-draft's step is the target's."""
         sigma = theory.normalised_acceptance(alpha, gamma)
-        return theory.speedup(sigma, gamma, *self.step_times(batch, gamma, context, verify, self_draft, comm))
+        plain, verify_t, draft, reject = self.step_times(batch, gamma, context, verify, self_draft, comm)
+        rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm)
+        return theory.speedup(sigma, gamma, plain, verify_t, draft, reject + rollback)
+
+    def rollback_time(self, batch, gamma: int, alpha: float, context: int, self_draft: bool = False,
+                      comm: bool = True) -> np.ndarray:
+        """A round's rollback, averaged over rounds: where a model re-forwards (``reforward``), the
+        chance that a round rolls back times a forward of the tokens it keeps
+        (``theory.kept_on_rollback``): the target's T_T(B, kept), the drafter's one step (a few
+        tokens through a small drafter cost about one step). Trims and window cuts cost nothing
+        the fit can see."""
+        if not self.reforward:
+            return np.zeros_like(np.asarray(batch, dtype=float))
+        kept = theory.kept_on_rollback(alpha, gamma, batch)
+        forward = 0.0
+        if "target" in self.reforward:
+            forward = forward + self.target(batch, kept, context, comm=comm)
+        if "draft" in self.reforward or (self_draft and "target" in self.reforward):
+            forward = forward + (self.target(batch, kept, context, comm=comm) if self_draft
+                                 else self.params.draft_time(batch, self.ridge_tokens))
+        return theory.rollback_probability(alpha, gamma, batch) * forward
 
     def step_times(self, batch, gamma: int, context: int, verify: str = DEFAULT_VERIFY,
                    self_draft: bool = False, comm: bool = True) -> tuple[np.ndarray, ...]:
@@ -103,7 +126,7 @@ class FittedModel:
                    pipelining.Pipelining.from_dict(doc.get("pipelining")),
                    cluster.CommTerm.from_dict(comm) if comm else None,
                    expert_reads.Routing.from_dict(doc.get("routing")),
-                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0))
+                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0), tuple(doc.get("reforward", ())))
 
 
 @dataclass(frozen=True)
@@ -158,7 +181,8 @@ class FitResult:
         i = self.inputs
         row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
-                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq)
+                           i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq,
+                           i.reforward)
 
 
 def predict(
@@ -184,19 +208,23 @@ def predict(
         for alpha in alphas:
             s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
                  else [None] * len(batches))
+            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context), b.shape)
             rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
                       "speedup": None if v is None else float(v), "target_efficiency": float(e),
-                      **_break_even(p, gamma, alpha)}
-                     for bb, v, e, p in zip(batches, s, efficiency, parts)]
+                      **_break_even(p, gamma, alpha, float(r))}
+                     for bb, v, e, p, r in zip(batches, s, efficiency, parts, rollback)]
     return rows
 
 
-def _break_even(parts, gamma: int, alpha: float) -> dict:
+def _break_even(parts, gamma: int, alpha: float, rollback: float = 0.0) -> dict:
     """A prediction row's break-even acceptance and drafter cost (``break_even``) from its round's
-    step times (plain, verify, draft step, reject); None without a drafter."""
+    step times (plain, verify, draft step, reject) and its rollback, priced at the row's alpha
+    (a model that re-forwards rolls back less often nearer the break-even alpha, so that one is a
+    little high); None without a drafter."""
     if parts is None:
         return {"break_even_alpha": None, "break_even_draft_ratio": None}
     plain, verify_s, draft, reject = (float(x) for x in parts)
+    reject += rollback
     return {"break_even_alpha": break_even.break_even_alpha(plain, verify_s, draft, reject, gamma),
             "break_even_draft_ratio": break_even.break_even_draft_ratio(plain, verify_s, reject, gamma, alpha)}
 
