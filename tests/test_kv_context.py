@@ -115,6 +115,7 @@ def test_the_estimate_counts_the_shortened_copies():
     assert two["parts"]["kv_rows"] == 20_971_520
 
 
+@pytest.mark.slow
 def test_the_sweep_times_one_token_points_at_the_second_context_and_keeps_them_when_it_changes(tmp_path):
     cfg = sweep.SweepConfig(model="tiny-moe", batches=(1, 2), tokens=(1, 2), context=16, budget=TINY_BUDGET)
     store = ResultsStore(tmp_path / "results.json", {})

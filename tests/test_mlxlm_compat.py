@@ -56,6 +56,7 @@ def test_the_model_class_twin_is_mlx_lms(monkeypatch):
     assert mlxlm_compat.model_classes({"model_type": "mistral"})[0].__module__ == "mlx_lm.models.llama"
 
 
+@pytest.mark.slow
 def test_sweep_gather_sorted_runs_without_mlx_lms_private_helpers(tmp_path, monkeypatch):
     remove_private_names(monkeypatch)
     result = CliRunner().invoke(cli, ["sweep", "tiny-moe", "--gather", "sorted", "--batch", "1,2",
