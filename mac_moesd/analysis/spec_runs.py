@@ -51,6 +51,8 @@ def measured_acceptance(spec_doc: dict) -> list[dict]:
     groups: dict[tuple[float, str], list[dict]] = {}
     entries = spec_doc.get("acceptance") or []
     for entry in entries:
+        if (entry.get("greedy_check") or {}).get("valid") is False:
+            continue  # decoded from a wrong context: its acceptance is not the pair's
         rules = entry.get("rules") or {entry["rule_run"]: entry["measured"]}
         for rule, stats in rules.items():
             groups.setdefault((entry["temperature"], rule), []).append({**stats, "gamma": entry["gamma"]})

@@ -154,7 +154,7 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float) 
         "acceptance": (float(theory.expected_tokens_per_round(alpha, gamma))
                        / float(theory.expected_tokens_per_round(realised, gamma))) if realised is not None else None,
     }
-    if measured.get("rollback_s") and realised is not None:
+    if model.reforward and measured.get("rollback_s") and realised is not None:
         ratios["rollback"] = (float(model.rollback_time(run["batch"], gamma, realised, context))
                               / measured["rollback_s"])
     ratios = {k: v for k, v in ratios.items() if v is not None}
