@@ -95,10 +95,6 @@ class Rollback:
         self.saved: list | None = None
         self.applied = {name: 0 for name in APPLIED}
 
-    @property
-    def plain_kv(self) -> bool:
-        return all(kind == "kv" for kind in self.kinds)
-
     def mark(self) -> None:
         """Remember the leaves that may need restoring (none on a model of plain KV caches)."""
         self.saved = [None if kind == "kv" else _snapshot(leaf) for leaf, kind in zip(self.leaves, self.kinds)]
@@ -143,7 +139,3 @@ class Rollback:
             else:
                 _restore(leaf, saved)
         self.model(kept, cache=self.caches)
-
-    def to_dict(self) -> dict:
-        """What the rounds needed, for a run's ``rollback`` record."""
-        return {"rounds": dict(self.applied)}
