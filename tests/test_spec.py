@@ -173,3 +173,27 @@ def test_the_drafters_catch_up_is_evaluated_inside_the_timed_run():
     mx.reset_peak_memory()
     mx.eval([c.state for c in decoder.draft_cache])
     assert mx.get_peak_memory() == 0
+
+
+def test_every_token_is_chosen_in_the_vocabulary_both_models_read():
+    """A drafter padded four times wider than its target proposes ids the target has no
+    embedding for; the loop (and mlx-lm's sampler, wrapped) chooses among the shared ids only."""
+    from mac_moesd.inputs import models
+    from mac_moesd.measure.spec_loop import Decoder
+
+    target = models.build(models.resolve("tiny-moe"), None, None, None, seed=0)
+    vocab = target.config["vocab_size"]
+    wide = dict(models.resolve("tiny-draft").config, vocab_size=4 * vocab)
+    draft = models.build(models.ModelSource("wide-draft", wide), None, None, None, seed=1)
+    target.materialise()
+    draft.materialise()
+    prompt = mx.random.randint(0, vocab, (2, 9))
+    assert int(mx.argmax(draft.model(prompt), axis=-1).max()) >= vocab  # unguarded, it would overrun
+    decoder = Decoder(target.model, draft.model, prompt, vocab=vocab)
+    decoded = decoder.speculative(8, 3, "real")
+    assert decoded.outputs.max() < vocab
+    decoder.reset()
+    assert decoder.plain(8).outputs.max() < vocab
+    logprobs = mx.zeros((1, 4 * vocab)).at[0, 3 * vocab].add(5.0)
+    assert int(spec.shared_sampler(0.0, vocab)(logprobs)[0]) < vocab
+    assert int(spec.shared_sampler(1.0, vocab)(logprobs)[0]) < vocab

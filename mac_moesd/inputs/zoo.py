@@ -420,4 +420,10 @@ def read_config(path: Path) -> dict:
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise MacMoesdError(f"{path} lacks {', '.join(map(repr, missing))}")
+    bad = [k for k in REQUIRED_KEYS if not isinstance(config[k], int) or isinstance(config[k], bool) or config[k] < 1]
+    if bad:
+        raise MacMoesdError(f"{path}: {', '.join(f'{k} {config[k]!r}' for k in bad)} is not a positive integer")
+    shape = expert_shape(config)
+    if shape is not None and shape[1] > shape[0]:
+        raise MacMoesdError(f"{path}: each token is routed to {shape[1]} experts but the model has only {shape[0]}")
     return config

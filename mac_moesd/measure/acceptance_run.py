@@ -31,13 +31,15 @@ __all__ = ["NEAR_TIE", "greedy_check", "logit_margin", "measure_acceptance"]
 NEAR_TIE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 4e-2}
 
 
-def logit_margin(model, prompt: mx.array, decoded: np.ndarray, position: int) -> tuple[float, bool]:
+def logit_margin(model, prompt: mx.array, decoded: np.ndarray, position: int,
+                 vocab: int | None = None) -> tuple[float, bool]:
     """The target's top-1 minus top-2 logit for the token at ``position`` of a plain greedy
-    decode ``decoded`` after ``prompt`` (1-D), and whether that margin is a near-tie."""
+    decode ``decoded`` after ``prompt`` (1-D), among the first ``vocab`` ids (the decode's
+    choices), and whether that margin is a near-tie."""
     from mlx_lm.models.cache import make_prompt_cache
 
     tokens = mx.concatenate([prompt, mx.array(decoded[:position], dtype=prompt.dtype)])
-    logits = model(tokens[None], cache=make_prompt_cache(model))[0, -1]
+    logits = model(tokens[None], cache=make_prompt_cache(model))[0, -1, :vocab]
     top = mx.sort(logits.astype(mx.float32))[-2:]
     first, second = float(top[1]), float(top[0])
     margin = first - second
@@ -71,14 +73,15 @@ def greedy_check(pairs, margin_of=None) -> dict:
 
 
 def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, temperature: float,
-                       new_tokens: int, seed: int = 0, rollback: str = "auto") -> dict:
-    """SD of ``new_tokens`` tokens after each prompt; see the module docstring for what it holds."""
+                       new_tokens: int, seed: int = 0, rollback: str = "auto", vocab: int | None = None) -> dict:
+    """SD of ``new_tokens`` tokens after each prompt, every token among the first ``vocab`` ids
+    (``Decoder``); see the module docstring for what it holds."""
     mx.random.seed(seed)
     counts: list[int] = []
     rules = {rule: ([], []) for rule in acceptance.RULES}
     pairs, prompts = [], []
     for ids in prompt_ids:
-        decoder = Decoder(target, draft, mx.array([ids]), rollback=rollback)
+        decoder = Decoder(target, draft, mx.array([ids]), rollback=rollback, vocab=vocab)
         out = decoder.speculative(new_tokens, gamma, "real", temperature=temperature, rules=True)
         counts += out.per_round
         if temperature > 0:
@@ -105,5 +108,5 @@ def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, t
                                           / acceptance.tokens_per_round(expected["mlx-lm"]))
     else:
         entry["greedy_check"] = greedy_check(
-            pairs, lambda i, row, at: logit_margin(target, prompts[i], pairs[i][1][row], at))
+            pairs, lambda i, row, at: logit_margin(target, prompts[i], pairs[i][1][row], at, vocab))
     return entry

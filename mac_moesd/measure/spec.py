@@ -50,7 +50,7 @@ from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, logit_margin, measure_acceptance
 from mac_moesd.measure.round_parts import RoundParts, round_prediction
 from mac_moesd.measure.spec_audit import audit_configuration
-from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt
+from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt, within
 from mac_moesd.measure.rolled_cache import PREFILL_CHUNK
 from mac_moesd.measure import rollback as rollbacks
 
@@ -247,7 +247,7 @@ class Decoders:
     def __init__(self, target, draft, batch: int, prompts: PromptIds, context: int,
                  rng: np.random.Generator, vocab: int, random_tokens: bool = False, rollback: str = "auto"):
         self.target, self.draft, self.batch, self.prompts = target, draft, batch, prompts
-        self.rollback = rollback
+        self.rollback, self.vocab = rollback, vocab
         self.random_tokens = vocab if random_tokens else None
         self.random_prompt = (None if prompts.ids is not None
                               else mx.array(rng.integers(0, vocab, (batch, context + 1))))
@@ -260,7 +260,8 @@ class Decoders:
             return
         if self.current is None or (self.prompts.ids is not None and index != self.index):
             self.current = None  # free the old caches before the new prefill
-            self.current = Decoder(self.target, self.draft, self.prompt(index), self.random_tokens, self.rollback)
+            self.current = Decoder(self.target, self.draft, self.prompt(index), self.random_tokens,
+                                   self.rollback, self.vocab)
         else:
             self.current.reset()
         self.index = index
@@ -281,7 +282,8 @@ class Decoders:
 
     def greedy_margin(self, plain_out: list[Decoded]):
         """``greedy_check``'s ``margin_of`` for pairs decoded from ``prompt(i)``."""
-        return lambda i, row, at: logit_margin(self.target, self.prompt(i)[row], plain_out[i].outputs[row], at)
+        return lambda i, row, at: logit_margin(self.target, self.prompt(i)[row], plain_out[i].outputs[row], at,
+                                                  self.vocab)
 
     @property
     def context(self) -> int:
@@ -295,6 +297,12 @@ class Decoders:
         order = random.Random(0)
         return lambda index: parts.time(self.target, self.draft, self.current.target_rolled,
                                         self.current.draft_rolled, order)
+
+
+def shared_sampler(temperature: float, vocab: int | None):
+    """mlx-lm's sampler at ``temperature``, choosing among the first ``vocab`` ids (``Decoder``)."""
+    sampler = make_sampler(temp=temperature)
+    return lambda logprobs: sampler(within(logprobs, vocab))
 
 
 def mlx_lm_speculative(d: Decoder, gamma: int, new_tokens: int, sampler) -> Decoded:
@@ -312,7 +320,7 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
     """Batch 1 with mlx-lm's own speculative decoding against its own plain decode, on the
     decoder's prefilled caches (``prompt_cache``: the target's layers, then the drafter's);
     ``parts`` times the round's forwards after each pair."""
-    sampler = make_sampler(temp=temperature)
+    sampler = shared_sampler(temperature, decoders.vocab)
     contexts = []
 
     def prepare(index):
@@ -519,7 +527,7 @@ class ConfigurationTimer:
         if temperature == 0 and cfg.mode != "emulated-acceptance":
             run["greedy_check"] = greedy_check([(s.outputs, p.outputs) for s, p in zip(spec_out, plain_out)],
                                                decoders.greedy_margin(plain_out))
-        decode = ((lambda d: mlx_lm_speculative(d, gamma, cfg.new_tokens, make_sampler(temp=temperature)))
+        decode = ((lambda d: mlx_lm_speculative(d, gamma, cfg.new_tokens, shared_sampler(temperature, self.vocab)))
                   if mlx_lm else
                   (lambda d: d.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=self.rng)))
         run["rollback"] = audit_configuration(decoders, decode, exact=not mlx_lm)
@@ -559,7 +567,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes)
     if target.layers < target.layers_full:
         predictor = None  # the fit predicts the full model, not a slice
-    accepted_on_set = acceptance_pass(cfg, target.model, draft.model, inputs)
+    accepted_on_set = acceptance_pass(cfg, target.model, draft.model, inputs, vocab)
     timer = ConfigurationTimer(cfg, target.model, draft.model, inputs, vocab, rng, predictor, sweep_step,
                                accepted_on_set)
     alphas = cfg.alphas if cfg.mode == "emulated-acceptance" else (None,)
@@ -649,12 +657,12 @@ def prepare_models(cfg: SpecConfig, available_bytes: int | None):
     return target, draft, inputs, need, vocab
 
 
-def acceptance_pass(cfg: SpecConfig, target, draft, inputs: PromptIds) -> dict:
+def acceptance_pass(cfg: SpecConfig, target, draft, inputs: PromptIds, vocab: int) -> dict:
     """The untimed pass over the prompt set (``real`` mode with prompts): one
     ``measure_acceptance`` entry per (gamma, temperature); empty otherwise."""
     if cfg.mode != "real" or inputs.ids is None:
         return {}
     prompts = inputs.ids[: cfg.max_prompts]
     return {(gamma, temperature): measure_acceptance(target, draft, prompts, gamma, temperature,
-                                                     cfg.new_tokens, cfg.seed, cfg.rollback)
+                                                     cfg.new_tokens, cfg.seed, cfg.rollback, vocab)
             for temperature in cfg.temperatures for gamma in cfg.gammas}

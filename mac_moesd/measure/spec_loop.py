@@ -61,17 +61,25 @@ def sample(logits: mx.array, temperature: float) -> mx.array:
     return mx.random.categorical(logits * (1.0 / temperature), axis=-1)
 
 
+def within(logits: mx.array, vocab: int | None) -> mx.array:
+    """``logits`` cut to the first ``vocab`` ids where they are wider (no copy otherwise)."""
+    return logits if vocab is None or logits.shape[-1] <= vocab else logits[..., :vocab]
+
+
 class Decoder:
     """A target and a drafter with caches prefilled to the same prompt, for one batch.
 
     ``prompt`` (batch, n): the caches hold its first n-1 tokens, the last is the pending token
     the first forward consumes. ``random_tokens`` (a vocabulary size): emit uniformly random ids
-    instead of the models' choices (emulated acceptance). ``rollback``: ``rollback.STRATEGIES``."""
+    instead of the models' choices (emulated acceptance). ``rollback``: ``rollback.STRATEGIES``.
+    ``vocab``: the ids both models read (the smaller vocabulary of the two; None when they
+    match): every token is chosen among them, so neither model is fed an id past its embedding
+    (a drafter padded wider than its target, or the reverse, is common)."""
 
     def __init__(self, target, draft, prompt: mx.array, random_tokens: int | None = None,
-                 rollback: str = "auto"):
+                 rollback: str = "auto", vocab: int | None = None):
         self.target, self.draft = target, draft
-        self.random_tokens = random_tokens
+        self.random_tokens, self.vocab = random_tokens, vocab
         self.prompt = prompt
         self.batch, length = prompt.shape
         self.context = length - 1
@@ -99,7 +107,7 @@ class Decoder:
     def emit(self, logits: mx.array, temperature: float) -> mx.array:
         """The token at each position: ``sample``'s, or with ``random_tokens`` that shifted by a
         uniform random offset (uniform over the vocabulary, still computed from the logits)."""
-        token = sample(logits, temperature)
+        token = sample(within(logits, self.vocab), temperature)
         return token if self.random_tokens is None else random_ids(token, self.random_tokens)
 
     def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None = None,
