@@ -13,8 +13,8 @@ import click
 from mac_moesd import __version__
 from mac_moesd.analysis import theory
 from mac_moesd.cli_options import (NumberList, UrlPair, budget_options, cluster_options, dry_run_options, json_option,
-                                   memory_limit_option, out_option, precision_options, rollback_option, run_options,
-                                   with_options)
+                                   memory_limit_option, out_option, precision_options, prompt_set_names, rollback_option,
+                                   run_options, with_options)
 from mac_moesd.console import Cli, ProgressBar, emit, finish_run, warn
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.reporting.formatting import render_compare, render_fit, render_info, render_plan, render_roofline, render_routing, render_selftest, render_spec, render_sweep, render_theory, render_zoo
@@ -297,7 +297,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
     if draft and not target:
         raise click.UsageError("--draft goes with TARGET")
     cfg = ServingConfig(target=target, draft=draft, gamma=gamma, concurrency=concurrency, tokens=tokens,
-                        prompts=tuple(p.strip() for p in prompts.split(",") if p.strip()), window_s=window,
+                        prompts=prompt_set_names(prompts), window_s=window,
                         warmup_s=warmup, shared_prefix=shared_prefix, urls=tuple(urls), fit=fit,
                         request_timeout_s=request_timeout)
     with ProgressBar("serving") as progress:
@@ -343,9 +343,9 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
     from mac_moesd.pipeline import commands
 
     options = replace(run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks,
-                                  serving), rollback=rollback)
+                                  serving, parallel is not None or link_gbps is not None), rollback=rollback)
     if dry_run:
-        cluster = (ranks, parallel, link_gbps) if ranks > 1 else None
+        cluster = (ranks, parallel or "tensor", link_gbps) if ranks > 1 else None
         emit(commands.dry_run(options, out, memory_limit, chip, memory_gib, cluster), as_json, render_plan)
         return
     with ProgressBar("run") as progress:

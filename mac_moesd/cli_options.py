@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 __all__ = ["NumberList", "UrlPair", "budget_options", "cluster_options", "dry_run_options", "json_option",
-           "memory_limit_option", "out_option", "precision_options", "run_options", "with_options"]
+           "memory_limit_option", "out_option", "precision_options", "prompt_set_names", "run_options",
+           "with_options"]
 
 
 class NumberList(click.ParamType):
@@ -28,8 +29,6 @@ class NumberList(click.ParamType):
             numbers = tuple(self.kind(v) for v in items)
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of {self.kind.__name__}s", param, ctx)
-        if not numbers:
-            self.fail("the list is empty", param, ctx)
         if self.minimum is not None:
             bad = [n for n in numbers if n < self.minimum or (self.open_min and n == self.minimum)]
             if bad:
@@ -120,15 +119,25 @@ dry_run_options = [
                  help="With --dry-run: the machine's RAM in GiB (required with --chip)."),
     click.option("--ranks", type=click.IntRange(min=1), default=1, show_default=True,
                  help="With --dry-run: plan each MoE sweep sharded over this many such machines."),
-    click.option("--parallel", type=click.Choice(["pipeline", "tensor", "expert"]), default="tensor",
-                 show_default=True, help="With --ranks: how the model is split."),
+    click.option("--parallel", type=click.Choice(["pipeline", "tensor", "expert"]), default=None,
+                 help="With --ranks: how the model is split [default: tensor]."),
     click.option("--link-gbps", type=click.FloatRange(0, min_open=True), default=None,
                  help="With --ranks: link between machines in Gb/s [default: 80, Thunderbolt 5]."),
 ]
 
 
-def run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks, serving):
-    """`run`'s options checked against each other, as ``pipeline.commands.RunOptions``."""
+def prompt_set_names(value: str) -> tuple[str, ...]:
+    """``--prompts``' comma-separated prompt sets, at least one."""
+    sets = tuple(p.strip() for p in value.split(",") if p.strip())
+    if not sets:
+        raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
+    return sets
+
+
+def run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks, serving,
+                cluster_flags: bool = False):
+    """`run`'s options checked against each other, as ``pipeline.commands.RunOptions``;
+    ``cluster_flags``: whether --parallel or --link-gbps was given."""
     from mac_moesd.pipeline.commands import RunOptions
 
     if quick and full:
@@ -143,11 +152,13 @@ def run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, 
         raise click.UsageError("--target/--draft measure your own pair; --models and --full choose zoo models")
     if prompt_sets is not None and (models or full):
         raise click.UsageError("--prompts goes with a pair (--target/--draft), not with --models or --full")
-    sets = tuple(p.strip() for p in (prompt_sets or "code,chat").split(",") if p.strip())
-    if not sets:
-        raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
+    sets = prompt_set_names(prompt_sets if prompt_sets is not None else "code,chat")
+    if cluster_flags and ranks == 1:
+        raise click.UsageError("--parallel and --link-gbps describe a cluster: use them with --dry-run --ranks N")
     if ranks > 1 and not dry_run:
         raise click.UsageError("--ranks plans a cluster with --dry-run; measure one with "
                                "`mlx.launch -n N -- mac-moesd sweep MODEL --parallel MODE`")
     names = tuple(m.strip() for m in (models or "").split(",") if m.strip())
+    if models is not None and not names:
+        raise click.BadParameter("name at least one model", param_hint="'--models'")
     return RunOptions(quick, full, names, target, draft, sets, prompt_sets is not None, serving)

@@ -45,28 +45,6 @@ def test_theory_table():
     assert any(line.split() == ["0.9", "4", f"{sigma * 5:.3f}", f"{sigma:.3f}"] for line in lines)
 
 
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["--experts", "0", "--top-k", "1"], "'--experts'"),
-        (["--experts", "8", "--top-k", "9"], "larger than --experts 8"),
-        (["-E", "8", "-K", "2", "--tau", "1.5"], "'--tau'"),
-        (["-E", "8", "-K", "2", "--gamma", "1,x"], "not a comma-separated list of ints"),
-        (["-E", "8", "-K", "2", "--gamma", "0"], "0 is not >= 1"),
-        (["-E", "8", "-K", "2", "--alpha", "1.5"], "'--alpha'"),
-        (["-E", "eight", "-K", "2"], "'eight' is not a valid integer"),
-    ],
-)
-def test_theory_bad_input_is_one_line_exit_2(args, fragment):
-    result = invoke("theory", *args)
-    assert result.exit_code == 2
-    assert result.stdout == ""
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("Error: ")
-    assert fragment in result.stderr
-    assert "Traceback" not in result.stderr
-
-
 def test_info_json():
     result = invoke("info", "--json")
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ from mac_moesd.measure import roofline, routing, selftest, spec, sweep, timing
 from mac_moesd.pipeline import estimate, pair_stages, plans, stages
 from mac_moesd.pipeline.runner import Outcome
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsBusy, ResultsStore, WriterLock, load_results, write_atomic
+from mac_moesd.results import ResultsBusy, ResultsStore, WriterLock, load_results, validate, write_atomic
 
 __all__ = ["RunOptions", "RunResult", "budget_from", "check_machine", "cluster_sweep", "compare", "dry_run",
            "fit_results", "info", "open_store", "report", "run", "run_roofline", "run_routing", "run_serving",
@@ -149,12 +149,15 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
             busy = str(err)
     try:
         data = load_results(path)
-        inputs = fit.inputs_from_results(data, model, verify_tokens)
+        with validate.read_guard(path):
+            inputs = fit.inputs_from_results(data, model, verify_tokens)
         if inputs.ridge is not None and "no roofline" in inputs.ridge_source:
             warn(f"ridge and bandwidth from the {inputs.ridge_source}")
         for what in inputs.missing:
             warn(what)
-        document = fit.fit_document(fit.fit(inputs), alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alphas or ()))))
+        with validate.read_guard(path):
+            document = fit.fit_document(fit.fit(inputs),
+                                        alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alphas or ()))))
         if busy is None:
             data.setdefault("fits", {})[document["model"]] = document
             write_atomic(path, data)
@@ -329,7 +332,10 @@ def report(folder: Path | None) -> dict[str, Path]:
     from mac_moesd.reporting import report as reporting
 
     folder = folder or Path("reports") / hardware.detect().slug
-    return reporting.write_report(load_results(folder / "results.json"), folder)
+    path = folder / "results.json"
+    data = load_results(path)
+    with validate.read_guard(path):
+        return reporting.write_report(data, folder)
 
 
 def compare(folders: list[Path], reference: bool, out: Path) -> dict:

@@ -11,9 +11,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from mac_moesd.analysis.digest import Digest  # noqa: E402
 from mac_moesd.errors import BadInput  # noqa: E402
-from mac_moesd.results import load_results  # noqa: E402
+from mac_moesd.results import load_results, validate  # noqa: E402
 
-__all__ = ["REFERENCE_GPUS", "compare", "load_folder"]
+__all__ = ["REFERENCE_GPUS", "compare", "machine_row_of"]
 
 ALPHA, GAMMA = 0.7, 4
 
@@ -26,9 +26,12 @@ REFERENCE_GPUS = (
 )
 
 
-def load_folder(folder: Path) -> dict:
+def machine_row_of(folder: Path) -> dict:
+    """``machine_row`` of a results folder (or file)."""
     path = folder / "results.json" if folder.is_dir() else folder
-    return load_results(path)
+    data = load_results(path)
+    with validate.read_guard(path):
+        return machine_row(data, str(folder))
 
 
 def machine_row(data: dict, label: str) -> dict:
@@ -69,7 +72,7 @@ def machine_row(data: dict, label: str) -> dict:
 def compare(folders: list[Path], reference: bool = False) -> dict:
     if not folders:
         raise BadInput("give at least one results folder")
-    rows = [machine_row(load_folder(f), str(f)) for f in folders]
+    rows = [machine_row_of(f) for f in folders]
     if reference:
         for gpu in REFERENCE_GPUS:
             rows.append({"label": "published spec, not measured", "chip": gpu["chip"], "backend": "cuda",

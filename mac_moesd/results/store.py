@@ -24,6 +24,7 @@ from typing import Any
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.finite_json import finite_document
+from mac_moesd.results import validate
 from mac_moesd.results.schema import READS, SCHEMA, upgrade
 
 __all__ = ["ResultsBusy", "ResultsStore", "WriterLock", "ensure_writable", "incompatibility", "load_results",
@@ -54,7 +55,12 @@ def load_results(path: Path) -> dict:
             f"{path} has schema {data['schema']!r}, this version reads {' and '.join(map(repr, READS))}; "
             "it was left untouched"
         )
-    return upgrade(data)
+    data = upgrade(data)
+    problem = validate.first_problem(data)
+    if problem:
+        raise MacMoesdError(f"{path} does not hold what a results file holds ({problem.lstrip('.')}); "
+                            "it was left untouched")
+    return data
 
 
 class ResultsBusy(MacMoesdError):
