@@ -4,12 +4,18 @@ MLX's Linux CPU wheel bundles the netlib reference BLAS (~2.5 GFLOP/s float32 ma
 core), which makes every forward compute-bound and hides the roofline. A BLAS loaded with
 RTLD_GLOBAL *before* MLX is imported takes precedence for ``cblas_sgemm``; OpenBLAS gives ~40x.
 This module must not import MLX: ``mac_moesd/__init__.py`` calls ``preload`` first.
+
+Where from, in order: the system's OpenBLAS (``OPENBLAS_CANDIDATES``), then the OpenBLAS wheel
+the package depends on on Linux (scipy-openblas32). The wheel's symbols carry a ``scipy_``
+prefix, so the package's small C library ``_cblas_forward`` (built at install) is loaded after
+it, globally too, to give MLX the unprefixed names.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import platform
 import sys
@@ -28,7 +34,38 @@ OPENBLAS_CANDIDATES: tuple[str, ...] = (
     "/usr/lib/libopenblas.so.0",
 )
 
-_state: dict[str, str | None] = {"preloaded": None, "skipped": None}
+WHEEL = "scipy-openblas32"
+FORWARD_MODULE = "mac_moesd.machine._cblas_forward"
+
+_state: dict[str, str | None] = {"preloaded": None, "skipped": None, "source": None}
+
+
+def _wheel_openblas() -> tuple[str, str] | None:
+    """(the wheel's OpenBLAS, the forwarding library) where both are installed, else None."""
+    try:
+        import scipy_openblas32
+    except ImportError:
+        return None
+    library = os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(fullname=True))
+    forward = importlib.util.find_spec(FORWARD_MODULE)
+    if forward is None or not forward.origin or not os.path.exists(library):
+        return None
+    return library, forward.origin
+
+
+def _load_wheel() -> str | None:
+    """Load the wheel's OpenBLAS, then the forwarding library, both globally; the OpenBLAS path."""
+    found = _wheel_openblas()
+    if found is None:
+        return None
+    library, forward = found
+    try:
+        ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(forward, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+    _state["source"] = f"the {WHEEL} wheel, through {os.path.basename(forward)}"
+    return library
 
 
 def preload() -> str | None:
@@ -51,10 +88,14 @@ def preload() -> str | None:
                     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 except OSError:
                     continue
-                _state["preloaded"] = path
+                _state["preloaded"], _state["source"] = path, "the system"
                 return path
-        _state["skipped"] = "no OpenBLAS found (Debian: apt-get install libopenblas0-pthread)"
-    return None
+        _state["preloaded"] = _load_wheel()
+        if _state["preloaded"] is None:
+            _state["skipped"] = (f"no OpenBLAS found: reinstall mac-moesd where a C compiler is present "
+                                 f"(it builds {FORWARD_MODULE.rsplit('.', 1)[1]} for the {WHEEL} wheel), "
+                                 "or install the system's (Debian: apt-get install libopenblas0-pthread)")
+    return _state["preloaded"]
 
 
 class _DlInfo(ctypes.Structure):
@@ -88,7 +129,8 @@ def describe(backend: str) -> dict:
     """What BLAS the MLX CPU backend uses here: ``{"name", "path", "note", "warning"}``.
 
     On Linux MLX's bundled BLAS is local to libmlx, so a global ``cblas_sgemm`` exists only if
-    another BLAS was loaded globally, and then it is the one MLX binds to.
+    another BLAS was loaded globally, and then it is the one MLX binds to (when that is the
+    forwarding library, ``path`` is the OpenBLAS it forwards to and ``note`` says so).
     """
     system = platform.system()
     if system == "Darwin":
@@ -103,9 +145,12 @@ def describe(backend: str) -> dict:
         if backend == "cpu":
             warning = (
                 "MLX is using its bundled reference BLAS: every forward is compute-bound and "
-                "memory-bound effects are invisible. Install OpenBLAS "
-                "(apt-get install libopenblas0-pthread) and rerun."
+                f"memory-bound effects are invisible ({note or 'OpenBLAS was not loaded'}); rerun after."
             )
         return {"name": "reference", "path": None, "note": note, "warning": warning}
+    if "_cblas_forward" in os.path.basename(path) and _state["preloaded"]:
+        path, note = _state["preloaded"], f"loaded from {_state['source']}"
+    elif _state["preloaded"] == path:
+        note = f"loaded from {_state['source']}"
     name = "openblas" if "openblas" in path.lower() else os.path.basename(path)
     return {"name": name, "path": path, "note": note, "warning": None}

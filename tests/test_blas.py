@@ -1,0 +1,75 @@
+"""Which BLAS MLX's CPU backend calls on Linux: OpenBLAS loaded before MLX, the system's when
+present, else the pip-installed wheel through the package's forwarding library; the reference
+BLAS (with a warning naming the fix) when opted out."""
+
+import ctypes
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from mac_moesd.machine import blas
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="MLX's BLAS is chosen this way on Linux only")
+
+DESCRIBE = ("import json, mac_moesd, mlx.core as mx, numpy as np; from mac_moesd.machine import blas; "
+            "a = np.random.default_rng(0).standard_normal((96, 80), dtype=np.float32); "
+            "err = float(np.abs(np.array(mx.array(a) @ mx.array(a.T)) - a @ a.T).max()); "
+            "print(json.dumps({**blas.describe('cpu'), 'err': err}))")
+
+
+def described(**env) -> dict:
+    out = subprocess.run([sys.executable, "-c", DESCRIBE], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env})
+    return json.loads(out.stdout)
+
+
+def test_mlx_multiplies_with_openblas_and_info_says_from_where():
+    doc = described(MAC_MOESD_NO_OPENBLAS="")
+    assert doc["name"] == "openblas" and doc["warning"] is None, doc
+    assert "loaded from" in doc["note"] and os.path.exists(doc["path"])
+    assert doc["err"] < 1e-3
+
+
+def test_opting_out_leaves_the_reference_blas_and_says_so():
+    doc = described(MAC_MOESD_NO_OPENBLAS="1")
+    assert doc["name"] == "reference" and doc["path"] is None
+    assert "MAC_MOESD_NO_OPENBLAS is set" in doc["warning"]
+    assert doc["err"] < 1e-3
+
+
+@pytest.fixture
+def fresh_preload(monkeypatch):
+    """``preload`` as on a fresh import: nothing loaded yet, MLX not imported, loads recorded."""
+    loads = []
+    monkeypatch.setattr(blas, "_state", {"preloaded": None, "skipped": None, "source": None})
+    monkeypatch.delitem(sys.modules, "mlx.core")
+    monkeypatch.delenv(blas.OPT_OUT_ENV, raising=False)
+    monkeypatch.setattr(blas.ctypes, "CDLL", lambda path, mode=0: loads.append((path, mode)))
+    return loads
+
+
+def test_the_system_openblas_is_preferred(fresh_preload, monkeypatch):
+    system = blas.OPENBLAS_CANDIDATES[2]
+    monkeypatch.setattr(blas.os.path, "exists", lambda path: path == system)
+    assert blas.preload() == system
+    assert fresh_preload == [(system, ctypes.RTLD_GLOBAL)]
+    assert blas._state["source"] == "the system"
+
+
+def test_without_it_the_wheel_then_its_forwarding_library_load_globally(fresh_preload, monkeypatch):
+    monkeypatch.setattr(blas, "_wheel_openblas", lambda: ("/w/libscipy_openblas.so", "/p/_cblas_forward.so"))
+    monkeypatch.setattr(blas.os.path, "exists", lambda path: False)
+    assert blas.preload() == "/w/libscipy_openblas.so"
+    assert fresh_preload == [("/w/libscipy_openblas.so", ctypes.RTLD_GLOBAL), ("/p/_cblas_forward.so", ctypes.RTLD_GLOBAL)]
+    assert "scipy-openblas32" in blas._state["source"]
+
+
+def test_without_any_the_reason_names_both_fixes(fresh_preload, monkeypatch):
+    monkeypatch.setattr(blas, "_wheel_openblas", lambda: None)
+    monkeypatch.setattr(blas.os.path, "exists", lambda path: False)
+    assert blas.preload() is None and fresh_preload == []
+    assert "C compiler" in blas._state["skipped"] and "apt-get install" in blas._state["skipped"]
