@@ -45,7 +45,8 @@ def test_bad_files_are_reported_and_left_untouched(tmp_path, content, fragment):
 
 
 @pytest.mark.parametrize("change", [{"chip_slug": "apple-m1-8c"}, {"backend": "cpu"},
-                                    {"versions": {"mlx": "0.1"}}])
+                                    {"versions": {"mlx": "0.1"}}, {"blas": {"name": "openblas"}},
+                                    {"cluster": {"ranks": 2, "backend": "ring", "parallel": "tensor"}}])
 def test_results_from_another_machine_refuse_to_merge(tmp_path, change):
     path = tmp_path / "results.json"
     ResultsStore(path, META).save()
@@ -92,7 +93,7 @@ def test_cli_commands_on_a_busy_file(held_by_another_process):
     before = path.read_text()
     result = CliRunner().invoke(cli, ["sweep", "tiny-moe", "--batch", "1", "--tokens", "1", "--context", "8",
                                       "--out", str(path.parent)])
-    assert result.exit_code != 0 and "being written by another mac-moesd process" in result.output
+    assert result.exit_code == 1 and "being written by another mac-moesd process" in result.stderr
     assert path.read_text() == before
 
 
@@ -133,3 +134,101 @@ def test_fit_on_a_busy_file_prints_its_fit_and_says_it_was_not_saved(tmp_path):
     assert result.exit_code == 0, result.output
     assert "the fit was not saved" in result.output and '"chosen"' in result.output
     assert path.read_text() == before
+
+
+@pytest.fixture
+def earlier(tmp_path):
+    """A results file written before, and its bytes."""
+    path = tmp_path / "results.json"
+    store = ResultsStore(path, META)
+    store.put("sweeps", "k", {"points": {"1x1": {"median_s": 1.0}}})
+    del store
+    return path, path.read_bytes()
+
+
+def _no_temp_left(path):
+    return not list(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+@pytest.mark.parametrize("where, err, said", [
+    ("fsync", OSError(28, "No space left on device"), "No space left on device"),  # the disk filled
+    ("mkstemp", PermissionError(13, "Permission denied"), "Permission denied"),  # a read-only folder
+])
+def test_a_write_that_fails_leaves_the_earlier_file_as_it_was(earlier, monkeypatch, where, err, said):
+    import os
+    import tempfile
+
+    path, before = earlier
+    store = ResultsStore(path, META)
+    store.section("sweeps")["k"]["points"]["2x1"] = {"median_s": 2.0}
+
+    def fail(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(os if where == "fsync" else tempfile, where, fail)
+    with pytest.raises(MacMoesdError, match=f"cannot write .*results.json: {said}; an earlier file there is unchanged"):
+        store.save()
+    assert path.read_bytes() == before and _no_temp_left(path)
+
+
+def test_an_interrupted_write_leaves_the_earlier_file_and_goes_up(earlier, monkeypatch):
+    import os
+
+    path, before = earlier
+    store = ResultsStore(path, META)
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.save()
+    assert path.read_bytes() == before and _no_temp_left(path)
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_measuring(tmp_path, monkeypatch):
+    import tempfile
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refused)
+    with pytest.raises(MacMoesdError, match="cannot write results to .*: Permission denied"):
+        ResultsStore(tmp_path / "out" / "results.json", META)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(earlier, monkeypatch):
+    import os
+
+    path, before = earlier
+    opened = os.open
+
+    def refuse_the_lock(name, *args, **kwargs):
+        if str(name).endswith(".lock"):
+            raise PermissionError(13, "Permission denied")
+        return opened(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_the_lock)
+    with pytest.raises(MacMoesdError, match="cannot write beside .*results.json: Permission denied"):
+        ResultsStore(path, META)
+    assert path.read_bytes() == before
+
+
+def test_a_filesystem_without_locks_is_written_unlocked(earlier, monkeypatch):
+    import errno
+    import fcntl
+
+    from mac_moesd.results import WriterLock
+
+    path, _ = earlier
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    store = ResultsStore(path, META)
+    store.put("sweeps", "k2", {"points": {}})
+    assert WriterLock._held[path.resolve()][0] == -1  # no descriptor held
+    store.close()
+    assert path.resolve() not in WriterLock._held
+    assert "k2" in load_results(path)["sweeps"]

@@ -137,9 +137,11 @@ def isolated(store: ResultsStore, outcome: Outcome, label: str, work: Callable[[
         with hardware.measuring_stage() if device_state else contextlib.nullcontext():
             work()
     except STAGE_FAILURES as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if not isinstance(err, MacMoesdError):
-            reason = f"{type(err).__name__}: {reason}"
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if isinstance(err, MacMoesdError):
+            reason = message or type(err).__name__
+        else:
+            reason = f"{type(err).__name__}: {message}" if message else type(err).__name__
         outcome.skipped[label] = reason
         store.put("skipped", label, reason)
     else:
