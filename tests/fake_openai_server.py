@@ -8,6 +8,9 @@ In process: ``with FakeServer(mode) as url: ...``. As a process, standing in for
 - ``500``: every completion answers HTTP 500;
 - ``die-after:N``: the process exits (os._exit) when its N-th completion starts;
 - ``not-openai``: /v1/models is a 404 page;
+- ``health-503``: /health answers 503 (mlx_lm.server's word for a model that did not load);
+- ``never-ready``: /health answers 404, for ever;
+- ``ignore-sigterm``: as ``ok``, in a process that ignores SIGTERM (as process only);
 - ``hang``: accepts connections and never answers (in process only).
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -44,7 +48,9 @@ def handler_for(mode: str):
             self.wfile.write(data)
 
         def do_GET(self):
-            if self.path == "/health":
+            if self.path == "/health" and mode in ("health-503", "never-ready"):
+                self._json(503 if mode == "health-503" else 404, {"status": "not ready"})
+            elif self.path == "/health":
                 self._json(200, {"status": "ok"})
             elif self.path.startswith("/v1/models"):
                 if mode == "not-openai":
@@ -124,6 +130,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args, _ = parser.parse_known_args()  # mlx_lm.server's --model, --draft-model, ... are ignored
+    if args.mode == "ignore-sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ThreadingHTTPServer((args.host, args.port), handler_for(args.mode)).serve_forever()
 
 

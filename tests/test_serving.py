@@ -122,6 +122,10 @@ def test_leg_against_a_working_server():
         records, cpu = serving.run_leg(leg_cfg(url))
     leg = serving.leg_document(leg_cfg(url), records, cpu, "plain", None, None, "p", {})
     assert leg["status"] == "ok" and leg["failed"] == 0 and leg["requests"] > 0
+    done = [r for r in records if r.end is not None and not r.cut]
+    assert done and all(r.tokens == TOKENS and r.prompt_tokens == 5 for r in done)  # the fake's exact counts
+    assert all(len(r.chunks) == TOKENS for r in done) and leg["early_stops"] == 0
+    assert 0 < leg["tokens"] <= TOKENS * len(records)
     assert leg["in_flight"]["max"] <= 2
     assert leg["client_cpu"]["share_of_one_core"] is not None
 
@@ -209,7 +213,7 @@ def test_url_legs_through_the_cli(tmp_path):
 
 def launch_cfg(tmp_path, mode="ok", **kw) -> server_process.ServerConfig:
     return server_process.ServerConfig(name="plain", model=fake_model(tmp_path),
-                                       command=(sys.executable, FAKE, "--mode", mode), ready_timeout_s=20, **kw)
+                                       command=(sys.executable, FAKE, "--mode", mode), **{"ready_timeout_s": 20, **kw})
 
 
 def test_launched_server_is_stopped_on_normal_exit_and_on_error(tmp_path):
@@ -271,6 +275,34 @@ def test_port_taken_fails_with_the_log(tmp_path):
         with pytest.raises(MacMoesdError, match=r"exited with status .* before answering; its output is in"):
             with server_process.LaunchedServer(cfg, tmp_path):
                 pass
+    assert not (tmp_path / server_process.PID_FILE).exists()
+
+
+@pytest.mark.parametrize("mode, timeout, said", [
+    ("health-503", 20, "could not load its model"),
+    ("never-ready", 1, "did not answer within 1 s"),
+    ("500", 20, "answered a first request with HTTP 500"),
+])
+def test_a_server_that_is_never_ready_fails_naming_its_log_and_is_stopped(tmp_path, mode, timeout, said):
+    cfg = launch_cfg(tmp_path, mode, ready_timeout_s=timeout)
+    server = server_process.LaunchedServer(cfg, tmp_path)
+    with pytest.raises(MacMoesdError, match=rf"mlx_lm.server \(plain\) {said}; its output is in .*serving-plain.log"):
+        with server:
+            pass
+    assert server.proc.poll() is not None and not (tmp_path / server_process.PID_FILE).exists()
+
+
+def test_a_server_that_ignores_sigterm_is_killed(tmp_path, monkeypatch):
+    monkeypatch.setattr(server_process, "STOP_GRACE_S", 0.5)
+    with server_process.LaunchedServer(launch_cfg(tmp_path, "ignore-sigterm"), tmp_path) as server:
+        pid = server.proc.pid
+    assert server.proc.returncode == -signal.SIGKILL and gone(pid)
+
+
+@pytest.mark.parametrize("content", ["{half", "[]", json.dumps({"pid": "x", "command": []}), json.dumps({"pid": 1})])
+def test_an_unreadable_pid_file_is_removed_and_kills_nothing(tmp_path, content):
+    (tmp_path / server_process.PID_FILE).write_text(content)
+    assert server_process.reap_stale(tmp_path) == f"removed an unreadable {tmp_path / server_process.PID_FILE}"
     assert not (tmp_path / server_process.PID_FILE).exists()
 
 
