@@ -1,6 +1,7 @@
 // Streaming read: each thread sums its grid-stride share of `a` (float4 loads) into one partial.
 // Inputs: a (float32, length a_shape[0], a multiple of 4). Output: partial (float32, one per thread).
-// Bytes moved: a_shape[0] * 4 (the partials are negligible).
+// Bytes moved: a_shape[0] * 4 read, plus one float written per thread (1 MiB over the roofline's
+// grid), which the roofline counts.
 uint gid = thread_position_in_grid.x;
 uint stride = threads_per_grid.x;
 uint n4 = uint(a_shape[0]) / 4;

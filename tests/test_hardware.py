@@ -149,7 +149,7 @@ def test_measuring_stage_wires_and_restores(monkeypatch):
 
     calls = []
     monkeypatch.setattr(hardware, "mlx_backend", lambda: "metal")
-    monkeypatch.setattr(hardware.platform, "mac_ver", lambda: ("15.1", ("", "", ""), "arm64"))
+    monkeypatch.setattr(hardware, "mac_version", lambda: "15.1")
     monkeypatch.setattr(mx, "device_info", lambda: {"max_recommended_working_set_size": 123})
     monkeypatch.setattr(mx, "set_wired_limit", lambda limit: calls.append(limit) or 7)
     with hardware.measuring_stage() as stage:

@@ -96,6 +96,17 @@ def test_run_roofline_document():
     assert len(doc["qmm_curve"]) == 8
     for row in doc["size_sweep"]:
         assert row["gbs"] == pytest.approx(row["moved_bytes"] / row["median_s"] / 1e9)
+        # STREAM's counts (read 1x, copy 2x, triad 3x), the read's partial sums (one float per
+        # 1024 of the MLX twin here) counted too
+        factor = {"read": 1 + 1 / 1024, "copy": 2, "triad": 3}[row["op"]]
+        assert row["moved_bytes"] == pytest.approx(factor * row["bytes"])
+
+
+def test_a_metal_read_counts_the_partials_it_writes():
+    # 256 Ki threads write one float each: 1 MiB, as much as a 1 MiB array's read, 1/4 of 4 MiB
+    assert roofline.read_output_bytes("metal", 1 << 20) == 1 << 20
+    assert roofline.read_output_bytes("metal", 4 << 20) == (4 << 20) // 4
+    assert roofline.read_output_bytes("mlx", 4 << 20) == (4 << 20) // 1024
 
 
 def test_against_spec():

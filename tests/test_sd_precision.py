@@ -43,14 +43,15 @@ def test_paired_stops_at_the_minimum_when_every_pair_agrees(monkeypatch):
 
 
 def test_paired_stops_when_its_budget_is_spent(monkeypatch):
-    # A CI can never be within 1e-12 of the median here (the fake clock makes every pair 1.0,
-    # so force noise through the target instead: no width is small enough but zero), so the
-    # budget ends it: the clock reads 0 at the start and advances 1 s per reading, 6 readings
-    # for the warm-up pair and each timed pair (4 timestamps and the check), so about 60 s.
+    # The CI is never tight enough (half_width 1.0), so the 60 s budget ends it. On the fake clock
+    # (0 at the first reading, +1 s a reading): the start reads 0, the first check 1; each pair
+    # reads 4 times (two timed runs) and then checks, so after n pairs the check reads 1 + 5n,
+    # which first reaches 60 at n = 12.
     precision = spec.Precision(2, 0.03, 60.0)
     monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups: 1.0)
-    plain_times, *_ = _fake_runs(monkeypatch, precision)
-    assert 2 <= len(plain_times) <= 30
+    plain_times, spec_times, *_ = _fake_runs(monkeypatch, precision)
+    assert len(plain_times) == len(spec_times) == 12
+    assert plain_times == spec_times == [1.0] * 12
 
 
 def test_a_round_priced_from_its_timed_parts():

@@ -8,6 +8,7 @@ they are tested on recorded samples; the ``detect`` function runs the commands.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import platform
 import re
@@ -19,7 +20,8 @@ from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine.chips import APPLE_CHIPS, ChipSpec, lookup_spec
 
 __all__ = ["APPLE_CHIPS", "ChipSpec", "Machine", "chip_slug", "detect", "lookup_spec", "measuring_stage",
-           "native_python_problem", "power_warnings", "require_native_python", "wired_limit_unavailable"]
+           "mac_version", "native_python_problem", "power_warnings", "require_native_python",
+           "wired_limit_unavailable"]
 
 
 # ---- parsers of command output (pure; tested on recorded samples) ----
@@ -128,7 +130,8 @@ def chip_slug(chip: str, gpu_cores: int | None, backend: str) -> str:
 # Absolute paths, so detection works under a minimal PATH (launchd, cron, IDEs); the bare name
 # is tried when a tool has moved.
 TOOLS = {"sysctl": "/usr/sbin/sysctl", "system_profiler": "/usr/sbin/system_profiler",
-         "ioreg": "/usr/sbin/ioreg", "pmset": "/usr/bin/pmset", "vm_stat": "/usr/bin/vm_stat"}
+         "ioreg": "/usr/sbin/ioreg", "pmset": "/usr/bin/pmset", "vm_stat": "/usr/bin/vm_stat",
+         "sw_vers": "/usr/bin/sw_vers"}
 
 
 def run_tool(args: list[str]) -> str:
@@ -139,6 +142,16 @@ def run_tool(args: list[str]) -> str:
             continue
         return done.stdout
     return ""
+
+
+@functools.lru_cache(maxsize=1)
+def mac_version() -> str:
+    """macOS's version (e.g. "26.1"); "" off macOS. ``sw_vers`` first: a Python built against an
+    SDK older than macOS 26 reports 26 as "16.0" through ``platform.mac_ver`` (CPython issue
+    #135675), which would misdate the OS in every record and in the wired-limit rule."""
+    if platform.system() != "Darwin":
+        return ""
+    return run_tool(["sw_vers", "-productVersion"]).strip() or platform.mac_ver()[0]
 
 
 def read_text(path: str) -> str:
@@ -225,8 +238,8 @@ def detect() -> Machine:
             available = info.get("memory_size", available)
         spec = None
     os_name = f"{system} {platform.release()} ({platform.machine()})"
-    if system == "Darwin" and platform.mac_ver()[0]:
-        os_name = f"macOS {platform.mac_ver()[0]} ({platform.machine()})"
+    if system == "Darwin" and mac_version():
+        os_name = f"macOS {mac_version()} ({platform.machine()})"
     return Machine(
         chip=chip,
         gpu_cores=cores,
@@ -273,16 +286,16 @@ def require_native_python() -> None:
 WIRED_FROM_MACOS = (15, 0)
 
 
-def wired_limit_unavailable(backend: str, mac_version: str) -> str | None:
-    """Why a wired limit would not take effect here (``mac_version`` as ``platform.mac_ver()[0]``
-    gives it, "" off macOS), or None where it does."""
+def wired_limit_unavailable(backend: str, macos: str) -> str | None:
+    """Why a wired limit would not take effect here (``macos`` as ``mac_version`` gives it, ""
+    off macOS), or None where it does."""
     if backend != "metal":
         return f"no wired memory on the {backend} backend (Metal only)"
-    parts = [int(p) for p in re.findall(r"\d+", mac_version)[:2]]
+    parts = [int(p) for p in re.findall(r"\d+", macos)[:2]]
     if not parts:
         return "the macOS version could not be read, so the wired limit was left alone"
     if tuple(parts + [0])[:2] < WIRED_FROM_MACOS:
-        return (f"macOS {mac_version} has no Metal residency sets (macOS 15 and later), "
+        return (f"macOS {macos} has no Metal residency sets (macOS 15 and later), "
                 "so MLX cannot wire memory here")
     return None
 
@@ -293,12 +306,16 @@ def measuring_stage() -> Iterator[dict]:
 
     Where a wired limit takes effect (Metal on macOS 15 or later) it is raised to the recommended
     working set for the stage, as mlx-lm's ``wired_limit`` does around generation, and the
-    previous limit is restored after the stage's work is synchronised. The yielded dict is the
-    stage's record: the limit set, or None with ``wired_limit_note`` saying why none was.
+    previous limit is restored after the stage's work is synchronised: the default stream's and
+    mlx-lm's generation stream's (its decode loops run there), as mlx-lm synchronises the
+    streams it was given, since changing the limit during an asynchronous evaluation is unsafe.
+    The yielded dict is the stage's record: the limit set, or None with ``wired_limit_note``
+    saying why none was.
     """
     import mlx.core as mx
+    from mlx_lm.generate import generation_stream
 
-    why = wired_limit_unavailable(mlx_backend(), platform.mac_ver()[0])
+    why = wired_limit_unavailable(mlx_backend(), mac_version())
     limit = None if why else mx.device_info().get("max_recommended_working_set_size")
     if limit is None:
         yield {"wired_limit_bytes": None,
@@ -309,4 +326,5 @@ def measuring_stage() -> Iterator[dict]:
         yield {"wired_limit_bytes": limit}
     finally:
         mx.synchronize()
+        mx.synchronize(generation_stream)
         mx.set_wired_limit(previous)

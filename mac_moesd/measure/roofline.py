@@ -248,6 +248,12 @@ def _row(m: timing.Measurement, k: int) -> dict:
             "eval_median_s": m.median_s * k}
 
 
+def read_output_bytes(path: str, size: int) -> int:
+    """Bytes of partial sums one read launch over ``size`` bytes writes: a float per thread of
+    the Metal kernel's grid, or a float per ``READ_ROW`` floats of the MLX twin."""
+    return kernels.GRID_THREADS * 4 if path == "metal" else size // kernels.READ_ROW
+
+
 def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list[dict]:
     """read, copy, triad at every size; each result verified before its time is kept."""
     rows = []
@@ -257,12 +263,14 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
         b = mx.random.uniform(shape=(n,))
         mx.eval(a, b)
         verify_stream(k, a, b, 3.0)
-        read_out = kernels.GRID_THREADS * 4 if k.paths["read"] == "metal" else size // kernels.READ_ROW
+        read_out = read_output_bytes(k.paths["read"], size)
         # Read launches are independent (their outputs are small); copy and triad launches form
         # a chain, each reading the previous output, so K full-size outputs are never live at
         # once and a cache-sized array stays cache-sized. Triad's scale 0.5 keeps values bounded.
+        # A read moves its array and writes its partial sums, counted too: the Metal kernel's
+        # 1 MiB of partials doubles what a 1 MiB read moves (negligible on the plateau).
         ops = {
-            "read": ((lambda i, a=a: k.read(a)), read_out, size),
+            "read": ((lambda i, a=a: k.read(a)), read_out, size + read_out),
             "copy": ((lambda i, prev, a=a: k.copy(a if prev is None else prev)), size, 2 * size),
             "triad": ((lambda i, prev, a=a, b=b: k.triad(a, b if prev is None else prev, 0.5)), size, 3 * size),
         }
