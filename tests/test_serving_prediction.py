@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from mac_moesd.analysis import serving_prediction as prediction
-from mac_moesd.analysis.fit import FittedModel
 from mac_moesd.measure import serving_stage
+
+from test_fit import hand_fit_doc
 
 RESULTS = json.loads((Path(__file__).parent / "data" / "results_quick_cpu.json").read_text())
 FIT = RESULTS["fits"]["tiny-moe"]
@@ -22,23 +23,24 @@ def test_acceptance_from_counters_solves_alpha():
 
 
 def test_predicted_lines_plain_batched_and_all_or_nothing():
-    rows = prediction.predicted_rows(FIT, (1, 4), gamma=3, prompt_tokens=20, new_tokens=64, alpha=0.7,
-                                     source="test")
-    model = FittedModel.from_document(FIT)
-    # Context: the prompt plus half the generated tokens, 20 + 64/2 = 52.
+    # test_fit's hand-worked fit: T_T(n) = 0.95 + 0.05n ms for n = B*t tokens, T_D = 0.1 ms, no KV
+    # term (so the context, 20 + 64/2 = 52, changes nothing). gamma 3, alpha 0.7: Omega = 1 + 0.7 +
+    # 0.49 + 0.343 = 2.533 tokens a round.
+    #   B = 1: plain T(1) = 1.0 ms, 1000 tok/s; round 3*0.1 + T(4) = 0.3 + 1.15 = 1.45 ms,
+    #          S = 2.533*1.0/1.45 = 1.746897, 1746.897 tok/s.
+    #   B = 4: plain T(4) = 1.15 ms, 4/1.15 ms = 3478.261 tok/s; round 0.3 + T(16) = 2.05 ms,
+    #          S = 2.533*1.15/2.05 = 1.420951, 4942.439 tok/s. All or nothing: a position counts
+    #          when all four accept, alpha^4 = 0.2401, Omega = 1.311589, 2559.199 tok/s.
+    rows = prediction.predicted_rows(hand_fit_doc(), (1, 4), gamma=3, prompt_tokens=20, new_tokens=64,
+                                     alpha=0.7, source="test")
     assert [r["context"] for r in rows] == [52, 52]
-    for row in rows:
-        b = row["concurrency"]
-        assert row["plain_tok_s"] == pytest.approx(b / float(model.target(b, 1, 52, pipelined=True)))
-        assert row["sd_batched_tok_s"] == pytest.approx(
-            row["plain_tok_s"] * float(model.speedup(b, 3, 0.7, 52)))
     one, four = rows
-    # One request: every row accepting is the row accepting (alpha^1), so both what-ifs agree.
-    assert one["sd_all_or_nothing_tok_s"] == pytest.approx(one["sd_batched_tok_s"])
-    # Four: a position counts when all four accept, alpha^4 = 0.2401.
-    assert four["sd_all_or_nothing_tok_s"] == pytest.approx(
-        four["plain_tok_s"] * float(model.speedup(4, 3, 0.7**4, 52)))
-    assert four["sd_all_or_nothing_tok_s"] < four["sd_batched_tok_s"]
+    assert one["plain_tok_s"] == pytest.approx(1000.0)
+    assert one["sd_batched_tok_s"] == pytest.approx(1746.897, abs=1e-3)
+    assert one["sd_all_or_nothing_tok_s"] == pytest.approx(1746.897, abs=1e-3)  # alpha^1: the same
+    assert four["plain_tok_s"] == pytest.approx(3478.261, abs=1e-3)
+    assert four["sd_batched_tok_s"] == pytest.approx(4942.439, abs=1e-3)
+    assert four["sd_all_or_nothing_tok_s"] == pytest.approx(2559.199, abs=1e-3)
 
 
 def test_predicted_sd_lines_are_null_with_why_without_acceptance():
