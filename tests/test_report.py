@@ -14,6 +14,8 @@ from mac_moesd.progress import Progress
 from mac_moesd.cli import cli
 from mac_moesd.results import ResultsStore
 
+from test_fit import hand_fit_doc
+
 FIXTURE = Path(__file__).parent / "data" / "results_quick_cpu.json"  # today's recorded `run --quick`
 EARLY = Path(__file__).parent / "data" / "results_quick_cpu_early.json"  # before pipelining and second contexts
 SECTIONS = ["## Verdict: is speculative decoding worth it here?", "## Answers", "## Roofline",
@@ -21,9 +23,33 @@ SECTIONS = ["## Verdict: is speculative decoding worth it here?", "## Answers", 
             "## The fitted MoESD model", "## Measured speculative decoding", "## Method"]
 
 
+def by_hand(data: dict) -> dict:
+    """``data`` with tiny-moe's fit replaced by test_fit's hand-worked one (T_T(n) = 0.95 +
+    0.05n ms for n = B*t tokens, T_D = 0.1 ms; no KV term, rejection, one-row timing or
+    pipelining), so that every SD prediction the report shows can be worked out by hand
+    (``hand_speedup``) rather than taken from the fit code under test."""
+    hand = hand_fit_doc()
+    doc = data["fits"]["tiny-moe"]
+    variant = dict(doc["variants"][0], **hand["variants"][0])
+    doc.update(chosen="pairs", experts=hand["experts"], top_k=hand["top_k"], variants=[variant],
+               params=variant["params"], k_kv=0.0, k_seq=0.0)
+    for key in ("one_row", "pipelining", "kv"):
+        doc.pop(key, None)
+    return data
+
+
+def hand_speedup(batch: int, gamma: int, alpha: float) -> float:
+    """S = Omega * T(B) / (gamma T_D + T(B (gamma + 1))) under ``by_hand``'s fit."""
+    def step(n):
+        return 0.95e-3 + 0.05e-3 * n
+
+    omega = sum(alpha**i for i in range(gamma + 1))
+    return omega * step(batch) / (gamma * 0.1e-3 + step(batch * (gamma + 1)))
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    data = json.loads(FIXTURE.read_text())
+    data = by_hand(json.loads(FIXTURE.read_text()))
     folder = tmp_path_factory.mktemp("report")
     paths = report.write_report(data, folder)
     return data, folder, paths
@@ -63,12 +89,10 @@ def test_numbers_in_the_text_are_those_of_the_results(written):
               f"{r['threshold_uniform']} | {r['threshold_corrected']} |"
         assert row in md
     for s in data["spec"].values():
-        predictor = fit.speedup_predictor(data["fits"][s["target"]])
         for run in s["runs"]:
             # The table shows the imposed alpha; the prediction is at the acceptance the run
             # realised (emulated draws scatter around the imposed one).
-            alpha = run.get("measured_alpha", run["alpha"])
-            pred = predictor(run["batch"], run["gamma"], alpha, False, fit.run_context(run, s))
+            pred = hand_speedup(run["batch"], run["gamma"], run.get("measured_alpha", run["alpha"]))
             assert f"| {run['batch']} | {run['gamma']} | {run['gamma'] + 1} | {run['alpha']:.2f} | " in md
             low, high = run["speedup_range"]
             # Recorded before the SD stage timed its rounds: no prediction from them, no plain vs sweep.
@@ -78,15 +102,11 @@ def test_numbers_in_the_text_are_those_of_the_results(written):
 
 
 def test_the_verdict_leads_with_the_measurement_and_writes_out_a_disagreement(tmp_path):
-    data = json.loads(FIXTURE.read_text())
-    # Judged against what the current fit predicts for each run (as the SD table shows it).
-    predicted = {}
-    for doc in data["spec"].values():
-        predictor = fit.speedup_predictor(data["fits"][doc["target"]])
-        for r in doc["runs"]:
-            if r["batch"] == 1:
-                alpha = r.get("measured_alpha", r["alpha"])  # the acceptance the run realised
-                predicted[id(r)] = predictor(1, r["gamma"], alpha, False, fit.run_context(r, doc))
+    data = by_hand(json.loads(FIXTURE.read_text()))
+    # Judged against what the current fit predicts for each run (as the SD table shows it), at
+    # the acceptance the run realised.
+    predicted = {id(r): hand_speedup(1, r["gamma"], r.get("measured_alpha", r["alpha"]))
+                 for doc in data["spec"].values() for r in doc["runs"] if r["batch"] == 1}
     runs = [r for doc in data["spec"].values() for r in doc["runs"] if r["batch"] == 1]
     for r in runs:  # measured where predicted, to +-2%, as a run of 12 pairs whose budget ran out
         r.update(measured_speedup=predicted[id(r)], measured_ci=[predicted[id(r)] * 0.98, predicted[id(r)] * 1.02],
