@@ -94,3 +94,33 @@ def test_every_run_records_its_precision_and_both_predictions():
     assert run["round"]["rollback_s"] >= 0 and run["rollback"]["strategy"] in ("none", "trim")
     assert run["rollback"]["audit"]["ok"] and run["valid"]
     assert run["plain_vs_sweep"] == pytest.approx(run["plain_step_s"])  # a 1 s "sweep" step
+
+
+@pytest.mark.parametrize("speedups, quick, elapsed, reason", [
+    # CI [0.795, 0.81] about a median of 0.80: within +-3% (half-width 0.94%), quick or not
+    ([0.80, 0.81, 0.79, 0.80, 0.80, 0.81, 0.79, 0.80], False, 0.0, "precision"),
+    # CI [0.65, 0.85], half-width 13.7% of 0.735: wide, but wholly below 1 - 0.03: SD does not pay
+    ([0.6, 0.9, 0.65, 0.85, 0.7, 0.8, 0.75, 0.72], True, 0.0, "decided"),
+    ([0.6, 0.9, 0.65, 0.85, 0.7, 0.8, 0.75, 0.72], False, 0.0, None),  # a full run goes on...
+    ([0.6, 0.9, 0.65, 0.85, 0.7, 0.8, 0.75, 0.72], False, 30.0, "budget"),  # ...until its budget
+    # CI [1.35, 1.55], wholly above 1 + 0.03: SD pays off
+    ([1.3, 1.6, 1.35, 1.55, 1.4, 1.5, 1.45, 1.42], True, 0.0, "decided"),
+    # CI [0.85, 1.15] straddles 1: undecided, so even a quick run goes on to its budget
+    ([0.8, 1.2, 0.9, 1.1, 0.95, 1.05, 0.85, 1.15], True, 0.0, None),
+    ([0.8, 1.2, 0.9, 1.1, 0.95, 1.05, 0.85, 1.15], True, 30.0, "budget"),
+    ([0.6, 0.9, 0.65], True, 0.0, None),  # fewer than the minimum pairs
+])
+def test_why_a_configuration_stops(speedups, quick, elapsed, reason):
+    precision = spec.Precision(min_pairs=8 if len(speedups) == 8 else 4, target=0.03, budget_s=30.0,
+                               stop_when_decided=quick)
+    assert precision.stop_reason(speedups, elapsed) == reason
+
+
+def test_a_quick_runs_rows_say_what_stopped_them():
+    from mac_moesd.reporting import formatting
+
+    run = {"measured_speedup": 0.74, "measured_ci": [0.65, 0.85], "pairs": 8}
+    assert formatting.measured_speedup({**run, "stopped": "decided"}) == "0.74 [0.65-0.85] 8 pairs, stopped: decided"
+    assert formatting.measured_speedup({**run, "stopped": "budget"}) == "0.74 [0.65-0.85] 8 pairs, budget spent"
+    assert formatting.measured_speedup({**run, "stopped": "precision"}) == "0.74 [0.65-0.85] 8 pairs"
+    assert formatting.measured_speedup({**run, "precision_met": False}) == "0.74 [0.65-0.85] 8 pairs, budget spent"

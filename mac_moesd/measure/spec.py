@@ -28,6 +28,7 @@ rules at temperature > 0.
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -83,6 +84,7 @@ class SpecConfig:
     temperatures: tuple[float, ...] = (0.0,)
     max_prompts: int | None = None  # prompts of the set the acceptance pass decodes (None: all)
     rollback: str = "auto"  # rollback.STRATEGIES
+    stop_when_decided: bool = False  # a quick run: stop once the CI settles "pays off" or not
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -151,25 +153,41 @@ def settle() -> None:
 @dataclass(frozen=True)
 class Precision:
     """When a configuration has enough (plain, SD) pairs: at least ``min_pairs``, then once the
-    95% bootstrap CI of the median per-pair speedup is within +-``target`` of the median, or
+    95% bootstrap CI of the median per-pair speedup is within +-``target`` of the median, or (with
+    ``stop_when_decided``, a quick run) once that CI lies wholly more than ``target`` away from
+    1.0, so that more pairs would narrow the figure but not change the answer, or once
     ``budget_s`` seconds of the configuration are spent."""
 
     min_pairs: int
     target: float
     budget_s: float
+    stop_when_decided: bool = False
 
     @classmethod
     def of(cls, cfg: SpecConfig) -> Precision:
-        return cls(cfg.repeats, cfg.precision, cfg.budget_s)
+        return cls(cfg.repeats, cfg.precision, cfg.budget_s, cfg.stop_when_decided)
 
     def half_width(self, speedups: list[float]) -> float:
         low, high = timing.bootstrap_median_ci(speedups)
         return (high - low) / 2 / statistics.median(speedups)
 
-    def enough(self, speedups: list[float], elapsed_s: float) -> bool:
+    def decided(self, speedups: list[float]) -> bool:
+        """Whether the CI says SD pays off (above 1 + target) or does not (below 1 - target)."""
+        low, high = timing.bootstrap_median_ci(speedups)
+        return low > 1 + self.target or high < 1 - self.target
+
+    def stop_reason(self, speedups: list[float], elapsed_s: float) -> str | None:
+        """Why the pairs so far are enough (``STOPS``), or None while they are not."""
         if len(speedups) < self.min_pairs:
-            return False
-        return elapsed_s >= self.budget_s or self.half_width(speedups) <= self.target
+            return None
+        if self.half_width(speedups) <= self.target:
+            return "precision"
+        if self.stop_when_decided and self.decided(speedups):
+            return "decided"
+        return "budget" if elapsed_s >= self.budget_s else None
+
+    def enough(self, speedups: list[float], elapsed_s: float) -> bool:
+        return self.stop_reason(speedups, elapsed_s) is not None
 
 
 def pair_speedup(plain: Decoded, plain_s: float, spec: Decoded, spec_s: float) -> float:
@@ -236,6 +254,7 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "measured_ci": list(timing.bootstrap_median_ci(speedups)),
         "precision": precision.target,
         "precision_met": precision.half_width(speedups) <= precision.target,
+        "stopped": precision.stop_reason(speedups, math.inf),  # the last pair's reason to stop
         "budget_s": precision.budget_s,
     }
 

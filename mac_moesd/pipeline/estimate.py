@@ -36,6 +36,9 @@ PAIR_ALPHA = 0.7  # a real pair's acceptance, unknown before it runs, for its SD
 # of a median of n pairs is about +-1.96*1.2533*spread/sqrt(n) wide (the median's standard error
 # for normal data), so a precision p takes n = (2.46*spread/p)^2 pairs, 17 at 5% and +-3%.
 PAIR_SPREAD = 0.05
+# What a quick run's SD ETA assumes: each configuration's answer decided by its fewest pairs
+# (on this suite's CPU runs, 9 of 9 CIs lay more than 3% from 1.0 by then); the budget bounds it.
+SD_STOP_ASSUMED = "each SD configuration stops at its fewest pairs, its answer decided (at most its budget)"
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,8 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
     target = plan.moe[0]
     cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
                           alphas=(0.7,), context=plan.context, new_tokens=plan.spec_tokens,
-                          repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits)
+                          repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits,
+                          stop_when_decided=plan.spec_stop_when_decided)
     t, d, need = spec.plan_models(cfg, usable, dtype)
     seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
     for batch in cfg.batches:
@@ -230,15 +234,18 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
     return {"stage": f"spec {target}", "models": [target, plan.draft],
             "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas), "alpha": list(cfg.alphas)},
-            "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
+            "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds,
+            **({"assumes": SD_STOP_ASSUMED} if cfg.stop_when_decided else {})}
 
 
 def _configuration_seconds(cfg: spec.SpecConfig, plain: float, sd: float, prefill: float = 0.0) -> float:
     """One SD configuration as ``spec.paired`` runs it: a warm-up pair, then pairs (each with a
-    prefill where ``prefill``) until the precision is expected to be met (``PAIR_SPREAD``),
-    at least ``repeats`` and at most the budget; the round's parts timed after each pair cost
-    about one more SD run."""
-    pairs = max(cfg.repeats, math.ceil((1.96 * 1.2533 * PAIR_SPREAD / cfg.precision) ** 2))
+    prefill where ``prefill``) until the precision is expected to be met (``PAIR_SPREAD``), or
+    (a quick run, ``stop_when_decided``) ``repeats`` pairs, assuming the answer is decided by
+    then (``SD_STOP_ASSUMED``), at least ``repeats`` and at most the budget; the round's parts
+    timed after each pair cost about one more SD run."""
+    pairs = (cfg.repeats if cfg.stop_when_decided
+             else max(cfg.repeats, math.ceil((1.96 * 1.2533 * PAIR_SPREAD / cfg.precision) ** 2)))
     each = plain + 2 * sd + prefill
     return plain + sd + min(pairs * each, max(cfg.budget_s, cfg.repeats * each))
 
@@ -266,7 +273,8 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
     cfg = spec.SpecConfig(target=pair.target_arg, draft=pair.draft_arg, batches=plan.spec_batches,
                           gammas=plan.spec_gammas, mode="real", context=plan.context,
                           new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, budget_s=plan.spec_budget_s,
-                          prompts=prompt_set, temperatures=pair.temperatures, max_prompts=pair.max_prompts)
+                          prompts=prompt_set, temperatures=pair.temperatures, max_prompts=pair.max_prompts,
+                          stop_when_decided=plan.spec_stop_when_decided)
     ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg), models.resolve(pair.draft_arg)).ids
     t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
     if t.layers < t.layers_full:
@@ -288,7 +296,8 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas),
                      "temperature": list(cfg.temperatures)},
             "acceptance_prompts": passed, "alpha_assumed": PAIR_ALPHA,
-            "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds}
+            "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds,
+            **({"assumes": SD_STOP_ASSUMED} if cfg.stop_when_decided else {})}
 
 
 def roofline_stage(plan: Plan, sizing: Sizing) -> dict:

@@ -185,7 +185,8 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
                               gammas=base.spec_gammas, mode="real", context=base.context,
                               new_tokens=base.spec_tokens, repeats=base.spec_repeats,
                               budget_s=base.spec_budget_s, prompts=prompt_set,
-                              temperatures=plan.temperatures, max_prompts=plan.max_prompts, rollback=base.rollback)
+                              temperatures=plan.temperatures, max_prompts=plan.max_prompts, rollback=base.rollback,
+                              stop_when_decided=base.spec_stop_when_decided)
         document = spec.run_spec(cfg, fit.speedup_predictor(fitted), ctx.usable_bytes,
                                  fit.sweep_plain_step(as_swept(data, plan), plan.target))
         ctx.store.put("spec", key, document)

@@ -36,6 +36,7 @@ class Plan:
     spec_repeats: int  # the fewest (plain, SD) pairs per configuration
     routing_batches: tuple[int, ...]
     spec_budget_s: float = 120.0  # seconds per SD configuration to reach its precision
+    spec_stop_when_decided: bool = False  # quick: an SD configuration stops once its answer is decided
     rollback: str = "auto"  # how SD takes back rejected drafts (measure.rollback.STRATEGIES)
 
     @property
@@ -54,6 +55,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
             roofline=roofline.QUICK if quick else roofline.RooflineConfig(sizes=roofline.QUICK.sizes + (512 * roofline.MiB,)),
             spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
             spec_repeats=8, routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
+            spec_stop_when_decided=quick,
         )
     # --quick fits about 6 minutes on an 8 GB M1 by the dry run's estimate (pipeline/estimate.py):
     # the sparse MoE only, context 256, batches to 8 and two SD batch sizes; a hybrid
@@ -71,6 +73,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
         spec_batches=(1, 4) if quick else (1, 2, 4, 8), spec_gammas=(2, 4),
         spec_tokens=32 if quick else 64, spec_repeats=8,
         routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
+        spec_stop_when_decided=quick,
     )
 
 

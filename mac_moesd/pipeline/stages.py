@@ -89,7 +89,8 @@ def _spec(plan: Plan) -> Stage:
         cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
-                              budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback)
+                              budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
+                              stop_when_decided=plan.spec_stop_when_decided)
         document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
                                  fit.sweep_plain_step(data, target))
         ctx.store.put("spec", key, document)

@@ -306,12 +306,14 @@ def pipelining_lines(pipe: dict | None) -> list[str]:
 
 def measured_speedup(run: dict) -> str:
     """A timed run's speedup, the median over its pairs: with its 95% CI and pairs where it was
-    measured to a precision (and whether the budget ended it first), else with the pairs' range."""
+    measured to a precision (and what ended it otherwise: a decided verdict, the budget), else
+    with the pairs' range."""
     text = f"{run['measured_speedup']:.2f}"
     ci = run.get("measured_ci")
     if ci:
-        spent = "" if run.get("precision_met") else ", budget spent"
-        return f"{text} [{ci[0]:.2f}-{ci[1]:.2f}] {run['pairs']} pairs{spent}"
+        stopped = run.get("stopped") or ("precision" if run.get("precision_met") else "budget")
+        why = {"precision": "", "decided": ", stopped: decided", "budget": ", budget spent"}[stopped]
+        return f"{text} [{ci[0]:.2f}-{ci[1]:.2f}] {run['pairs']} pairs{why}"
     spread = run.get("speedup_range")
     return text if not spread or run.get("repeats", 1) < 2 else f"{text} ({spread[0]:.2f}-{spread[1]:.2f})"
 
@@ -325,11 +327,15 @@ def precision_note(runs: list[dict]) -> str:
         return (f"Measured S is the median of per-pair ratios over {', '.join(map(str, pairs))} pairs with "
                 "their range, not measured to a precision (recorded before confidence intervals).")
     met = sum(bool(r.get("precision_met")) for r in measured)
+    decided = sum(r.get("stopped") == "decided" for r in measured)
     r = measured[0]
+    early = (f", or (a quick run) until it lay wholly more than {r['precision']:.0%} from 1.0, the answer "
+             f"decided" if decided else "")
     return (f"Measured S is the median of per-pair ratios of alternating plain and SD runs, with its 95% "
             f"bootstrap confidence interval: pairs were added until the interval was within "
-            f"+-{r['precision']:.0%} of the median or {r['budget_s']:g} s of the configuration were spent "
-            f"(at least {r['repeats']} pairs); {met} of {len(measured)} configurations met the precision.")
+            f"+-{r['precision']:.0%} of the median{early}, or {r['budget_s']:g} s of the configuration were "
+            f"spent (at least {r['repeats']} pairs); {met} of {len(measured)} configurations met the precision"
+            + (f", {decided} stopped at a decided answer." if decided else "."))
 
 
 def predicted_cells(run: dict, model_prediction: float | None) -> list[str]:
@@ -595,6 +601,8 @@ def render_plan(doc: dict) -> str:
         if "alpha_assumed" in s:
             lines.append(f"  acceptance pass over {s['acceptance_prompts']} prompts per gamma and temperature; "
                          f"ETA at alpha {s['alpha_assumed']:g} (unknown before the run)")
+        if s.get("assumes"):
+            lines.append(f"  ETA assumes {s['assumes']}")
         for r in s.get("ranks", []):
             lines.append(f"  rank {r['rank']}: {r['layers']} layers, weights {gib(r['weights_bytes'])}, "
                          f"peak {gib(r['peak_bytes'])} ({r['phase']})")

@@ -19,7 +19,7 @@ Format history (``schema``):
 - ``mac-moesd/3``: SD runs audited. A spec run gains ``rollback`` (how its caches were rolled
   back, and the audit of them against plain decoding) and ``valid``, a greedy check ``margin``,
   ``near_tie`` and ``valid``, a round ``rollback_s``, a spec document ``valid``, a footprint
-  ``layer_kinds``, a fit ``reforward``. Additions only again: a ``mac-moesd/2`` file reads as ``/3`` whose SD runs were
+  ``layer_kinds``, a fit ``reforward``; later a spec run ``stopped``. Additions only again: a ``mac-moesd/2`` file reads as ``/3`` whose SD runs were
   never audited (the report says "-" where the audit goes); a file written now says ``/3``.
 """
 
@@ -658,6 +658,7 @@ class SpecRun(TypedDict, total=False):
     measured_ci: list[float]  # [low, high]
     precision: float
     precision_met: bool
+    stopped: str  # what ended its pairs: precision | decided | budget
     budget_s: float
     asked: bool
     recommended: bool
