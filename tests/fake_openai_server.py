@@ -5,6 +5,8 @@ In process: ``with FakeServer(mode) as url: ...``. As a process, standing in for
 --port P ...``. Modes:
 - ``ok``: streams ``TOKENS`` one-token chunks ``DELAY_S`` apart, then usage and [DONE];
 - ``ok-drafts``: as ``ok``, with llama.cpp-style ``timings.draft_n`` / ``draft_n_accepted``;
+- ``vllm-metrics``: as ``ok``, with vLLM's ``/metrics`` counters (``VLLM_PER_COMPLETION`` added
+  by every completion: rounds, draft tokens, accepted tokens, accepted by position);
 - ``500``: every completion answers HTTP 500;
 - ``die-after:N``: the process exits (os._exit) when its N-th completion starts;
 - ``not-openai``: /v1/models is a 404 page;
@@ -28,6 +30,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 TOKENS = 8
 DELAY_S = 0.002
 DRAFTED, ACCEPTED = 6, 3  # per response in ok-drafts
+VLLM_PER_COMPLETION = {"drafts": 2, "draft_tokens": 6, "accepted_tokens": 3, "per_pos": (2, 1, 0)}
+
+
+def vllm_metrics(completions: int) -> str:
+    """vLLM's spec-decode counters after ``completions`` completions (vllm/v1/spec_decode/metrics.py)."""
+    labels = 'engine="0",model_name="fake-model"'
+    lines = []
+    for what in ("drafts", "draft_tokens", "accepted_tokens"):
+        name = f"vllm:spec_decode_num_{what}"
+        lines += [f"# TYPE {name}_total counter",
+                  f"{name}_total{{{labels}}} {float(completions * VLLM_PER_COMPLETION[what])}",
+                  f"{name}_created{{{labels}}} 1.7965077429375641e+09"]
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f'{name}{{{labels},position="{k}"}} {float(completions * n)}'
+              for k, n in enumerate(VLLM_PER_COMPLETION["per_pos"])]
+    return "\n".join(lines) + "\n"
 
 
 def handler_for(mode: str):
@@ -52,6 +70,15 @@ def handler_for(mode: str):
                 self._json(503 if mode == "health-503" else 404, {"status": "not ready"})
             elif self.path == "/health":
                 self._json(200, {"status": "ok"})
+            elif self.path == "/metrics" and mode == "vllm-metrics":
+                with state["lock"]:
+                    text = vllm_metrics(state["completions"])
+                data = text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             elif self.path.startswith("/v1/models"):
                 if mode == "not-openai":
                     self._json(404, "<html>Not Found</html>")

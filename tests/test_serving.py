@@ -208,6 +208,25 @@ def test_url_legs_through_the_cli(tmp_path):
     assert saved["serving"]["url:plain,sd"]["complete"] is True
 
 
+def test_a_url_leg_reads_vllm_metrics_over_the_leg(tmp_path):
+    # Every completion adds 2 rounds, 6 draft tokens, 3 accepted (2, 1, 0 by position) to the
+    # fake's vLLM counters, so whatever the leg ran: an acceptance rate of 3/6, and by position
+    # a third, a sixth and none of the draft tokens.
+    with FakeServer("vllm-metrics") as url:
+        cfg = serving_stage.ServingConfig(urls=(("vllm", url),), concurrency=(2,), tokens=8, prompts=("code",),
+                                          window_s=0.3, warmup_s=0.1)
+        doc = serving_stage.run_serving(cfg, store(tmp_path), "cpu")
+    (leg,) = doc["legs"]
+    counters = leg["sd_counters"]
+    assert counters["source"] == "/metrics (vllm:spec_decode_num_*_total)"
+    completions = counters["drafts"] // 2
+    assert completions >= leg["requests"] > 0
+    assert counters["drafted"] == 6 * completions and counters["accepted"] == 3 * completions
+    assert counters["acceptance_rate"] == 0.5
+    assert counters["accepted_by_position"] == [2 * completions, completions, 0]
+    assert leg["drafter_reported"] == {"kind": None, "num_draft": 3}
+
+
 # ---- launching a server (the fake stands in for mlx_lm.server) ----
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from mac_moesd.measure import sd_counters
+
 __all__ = ["LegConfig", "RequestRecord", "leg_document", "overlap", "run_leg", "unique_prompt"]
 
 FAILED_SHARE = 0.05  # a leg with more failed requests than this is marked failed
@@ -59,7 +61,7 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     cut: bool = False  # still running when the window closed
-    sd: dict = field(default_factory=dict)  # draft counters the response carried
+    sd: sd_counters.Counts | None = None  # draft counters the response carried
 
     @property
     def first(self) -> float | None:
@@ -83,15 +85,6 @@ def unique_prompt(prompts: tuple[str, ...], index: int, shared_prefix: str = "")
     agents' case of one long shared context)."""
     body = f"Request {index}.\n{prompts[index % len(prompts)]}"
     return f"{shared_prefix}\n\n{body}" if shared_prefix else body
-
-
-def _sd_counters(event: dict) -> dict:
-    """Draft counters a response carries: llama.cpp's server puts ``draft_n`` and
-    ``draft_n_accepted`` in its ``timings``."""
-    timings = event.get("timings") or {}
-    if isinstance(timings, dict) and "draft_n" in timings:
-        return {"drafted": int(timings.get("draft_n") or 0), "accepted": int(timings.get("draft_n_accepted") or 0)}
-    return {}
 
 
 async def _one_request(client: httpx.AsyncClient, cfg: LegConfig, index: int, clock, record: RequestRecord) -> None:
@@ -128,7 +121,7 @@ async def _one_request(client: httpx.AsyncClient, cfg: LegConfig, index: int, cl
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     record.usage_tokens = int(usage["completion_tokens"])
                     record.prompt_tokens = usage.get("prompt_tokens")
-                record.sd = _sd_counters(event) or record.sd
+                record.sd = sd_counters.from_response(event) or record.sd
             if not done and record.finish_reason is None:
                 record.error = "stream ended early"
     except httpx.TimeoutException:
@@ -206,9 +199,11 @@ def _percentiles(values: list[float], why_empty: str) -> dict:
 
 
 def leg_document(cfg: LegConfig, records: list[RequestRecord], cpu: dict, server: str, drafter: str | None,
-                 gamma: int | None, prompts: str, sd_reported: dict) -> dict:
+                 gamma: int | None, prompts: str, scraped: dict,
+                 scraped_counts: sd_counters.Counts | None = None) -> dict:
     """One leg as the serving document holds it (seconds and tokens/s; null where a figure
-    cannot be computed, with why)."""
+    cannot be computed, with why); ``scraped``: the server's draft counters over the leg
+    (``sd_counters.leg_record``), used where its responses carry none."""
     lo, hi = cfg.warmup_s, cfg.warmup_s + cfg.window_s
     tokens = sum(r.weight * sum(1 for t in r.chunks if lo <= t <= hi) for r in records)
     finished = [r for r in records if r.error is None and not r.cut and r.end is not None and lo <= r.end <= hi]
@@ -241,16 +236,19 @@ def leg_document(cfg: LegConfig, records: list[RequestRecord], cpu: dict, server
         "itl_s": _percentiles(itl, "no finished request streamed two chunks"),
         "in_flight": overlap(generating, lo, hi),
         "prompt_tokens_mean": float(np.mean(prompt_tokens)) if prompt_tokens else None,
-        "sd_counters": sd_counters(finished, sd_reported),
+        **dict(zip(("sd_counters", "drafter_reported"),
+                   leg_sd_counters(finished, cfg.concurrency, scraped, scraped_counts))),
         "client_cpu": cpu,
     }
 
 
-def sd_counters(finished: list[RequestRecord], reported: dict) -> dict:
-    """Accepted and drafted tokens over the window: from the responses where they carry them,
-    else as ``reported`` (a metrics scrape, or why the server reports none)."""
-    counted = [r.sd for r in finished if r.sd]
-    if counted:
-        return {"source": "responses (timings.draft_n, draft_n_accepted)",
-                "drafted": sum(c["drafted"] for c in counted), "accepted": sum(c["accepted"] for c in counted)}
-    return reported
+def leg_sd_counters(finished: list[RequestRecord], concurrency: int, scraped: dict,
+                    scraped_counts: sd_counters.Counts | None = None) -> tuple[dict, dict]:
+    """The leg's draft counters (``sd_counters.responses_record`` of its finished responses where
+    they carry them, else ``scraped``: the server's counters diffed over the leg, or why there
+    are none) and the drafter the server reported (``sd_counters.drafter_reported``)."""
+    counted = [r.sd for r in finished if r.sd is not None]
+    from_responses = sd_counters.responses_record(counted, concurrency)
+    if from_responses is not None:
+        return from_responses, sd_counters.drafter_reported(counted[0])
+    return scraped, sd_counters.drafter_reported(scraped_counts)

@@ -19,7 +19,7 @@ import httpx
 from mac_moesd.analysis import serving_prediction as prediction
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
-from mac_moesd.measure import server_process, serving
+from mac_moesd.measure import sd_counters, server_process, serving
 from mac_moesd.results import ResultsStore, load_results, schema
 
 __all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "run_serving", "validate"]
@@ -80,27 +80,6 @@ def _probe(name: str, url: str) -> dict:
                             f"{response.status_code} without a list of models")
     return {"name": name, "kind": "openai-compatible", "version": None, "url": url, "launched": False,
             "args": None, "models": models}
-
-
-def _metrics(url: str) -> dict[str, float]:
-    """Draft counters in a server's Prometheus /metrics (vLLM's ``spec_decode_num_*_tokens``),
-    summed over labels; {} when it has none."""
-    try:
-        response = httpx.get(url.rstrip("/") + "/metrics", timeout=PROBE_TIMEOUT_S)
-    except httpx.HTTPError:
-        return {}
-    if response.status_code != 200:
-        return {}
-    found: dict[str, float] = {}
-    for line in response.text.splitlines():
-        for key, marker in (("accepted", "spec_decode_num_accepted_tokens"), ("drafted", "spec_decode_num_draft_tokens")):
-            if line.startswith(("#",)) or marker not in line.split("{")[0].split(" ")[0]:
-                continue
-            try:
-                found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                pass
-    return found
 
 
 def shared_prefix_text(tokens: int, target_folder: Path | None) -> tuple[str, str]:
@@ -182,18 +161,15 @@ def crossover(doc: dict) -> tuple[int | None, str | None]:
 
 
 def _leg(cfg: ServingConfig, url: str, model: str, concurrency: int, prompt_set, prefix: str, server: str,
-         drafter: str | None, reported: Callable[[], dict]) -> dict:
+         drafter: str | None, reported: Callable[[], sd_counters.Counts | None], why_none: str) -> dict:
     leg = serving.LegConfig(url=url, model=model, concurrency=concurrency, prompts=prompt_set.prompts,
                             max_tokens=cfg.tokens, warmup_s=cfg.warmup_s, window_s=cfg.window_s,
                             request_timeout_s=cfg.request_timeout_s, shared_prefix=prefix)
     before = reported()
     records, cpu = serving.run_leg(leg)
     after = reported()
-    counters = ({"source": "/metrics", "drafted": after["drafted"] - before.get("drafted", 0.0),
-                 "accepted": after["accepted"] - before.get("accepted", 0.0)}
-                if "drafted" in after and "accepted" in after else after)
     return serving.leg_document(leg, records, cpu, server, drafter, cfg.gamma if drafter else None,
-                                prompt_set_label(prompt_set), counters)
+                                prompt_set_label(prompt_set), sd_counters.leg_record(before, after, why_none), after)
 
 
 def prompt_set_label(prompt_set) -> str:
@@ -231,12 +207,12 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
     key = _key(cfg, target_name, draft_name)
     store.put("serving", key, doc)
 
-    def measure(server: str, url: str, model: str, drafter: str | None, reported: Callable[[], dict],
-                alive: Callable[[], None]) -> None:
+    def measure(server: str, url: str, model: str, drafter: str | None,
+                reported: Callable[[], sd_counters.Counts | None], why_none: str, alive: Callable[[], None]) -> None:
         for prompt_set in prompt_sets:
             for c in cfg.concurrency:
                 progress(f"{server} x{c} on {prompt_set_label(prompt_set)}")
-                doc["legs"].append(_leg(cfg, url, model, c, prompt_set, prefix, server, drafter, reported))
+                doc["legs"].append(_leg(cfg, url, model, c, prompt_set, prefix, server, drafter, reported, why_none))
                 store.put("serving", key, doc)
                 alive()
 
@@ -264,9 +240,9 @@ def _url_legs(cfg: ServingConfig, doc: dict, save: Callable[[], None], measure) 
             _probe(server["name"], server["url"])
 
         measure(server["name"], server["url"], server["models"][0], None,
-                lambda url=server["url"]: _metrics(url) or {
-                    "reported": False, "why": "the server reported no draft counters (in its responses' "
-                                              "timings or a /metrics endpoint)"}, alive)
+                lambda url=server["url"]: sd_counters.scrape(url),
+                "the server reported no draft counters (in its responses, a /metrics endpoint or /v1/status)",
+                alive)
 
 
 def _launched_legs(cfg: ServingConfig, doc: dict, folder: Path, backend: str, target_folder, draft_folder,
@@ -297,8 +273,7 @@ def _launched_legs(cfg: ServingConfig, doc: dict, folder: Path, backend: str, ta
                 if launched.proc.poll() is not None:
                     raise launched.failure(f"exited (status {launched.proc.returncode}) during a leg")
 
-            measure(name, launched.url, "default_model", draft_name if drafter else None,
-                    lambda why=why: {"reported": False, "why": why}, alive)
+            measure(name, launched.url, "default_model", draft_name if drafter else None, lambda: None, why, alive)
 
 
 # ---- the stage of `mac-moesd run --serving` ----

@@ -751,11 +751,21 @@ class InFlight(TypedDict, total=False):
 
 
 class SdCounters(TypedDict, total=False):
+    """A leg's draft counters as the server reported them (``measure.sd_counters``)."""
     source: str
-    drafted: int
-    accepted: int
+    drafts: int  # verify rounds
+    drafted: int  # draft tokens
+    accepted: int  # accepted draft tokens
+    accepted_by_position: list[int]
+    acceptance_rate: float
+    note: str
     reported: bool
     why: str
+
+
+class DrafterReported(TypedDict, total=False):
+    kind: str  # e.g. "mtp", where the server names it
+    num_draft: int
 
 
 class ClientCpu(TypedDict, total=False):
@@ -789,6 +799,7 @@ class ServingLeg(TypedDict, total=False):
     in_flight: InFlight
     prompt_tokens_mean: float | None
     sd_counters: SdCounters
+    drafter_reported: DrafterReported
     client_cpu: ClientCpu
 
 
