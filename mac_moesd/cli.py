@@ -275,6 +275,8 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
               help="All requests share an N-token prefix (agents on one context).")
 @click.option("--url", "urls", type=UrlPair(), multiple=True,
               help="Measure a running server instead of launching mlx_lm.server (repeatable).")
+@click.option("--served-model", default=None, metavar="NAME",
+              help="With --url: the model name to request [default: the one the server lists or answers with].")
 @click.option("--fit", type=click.Path(exists=True, path_type=Path), default=None,
               help="Results file (or folder) with the pair's fit [default: the one in --out].")
 @click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
@@ -282,7 +284,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
 @out_option()
 @json_option
 def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, warmup, shared_prefix, urls,
-                    fit, request_timeout, out, as_json) -> None:
+                    served_model, fit, request_timeout, out, as_json) -> None:
     """Aggregate tok/s of a local server at each concurrency, plain and with a drafter, beside
     the suite's predictions for the same pair.
 
@@ -296,9 +298,11 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
 
     if draft and not target:
         raise click.UsageError("--draft goes with TARGET")
+    if served_model and not urls:
+        raise click.UsageError("--served-model goes with --url")
     cfg = ServingConfig(target=target, draft=draft, gamma=gamma, concurrency=concurrency, tokens=tokens,
                         prompts=prompt_set_names(prompts), window_s=window,
-                        warmup_s=warmup, shared_prefix=shared_prefix, urls=tuple(urls), fit=fit,
+                        warmup_s=warmup, shared_prefix=shared_prefix, urls=tuple(urls), served_model=served_model, fit=fit,
                         request_timeout_s=request_timeout)
     with ProgressBar("serving") as progress:
         document = commands.run_serving(cfg, out, progress, warn)

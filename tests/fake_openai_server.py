@@ -9,7 +9,9 @@ In process: ``with FakeServer(mode) as url: ...``. As a process, standing in for
   by every completion: rounds, draft tokens, accepted tokens, accepted by position);
 - ``500``: every completion answers HTTP 500;
 - ``die-after:N``: the process exits (os._exit) when its N-th completion starts;
-- ``not-openai``: /v1/models is a 404 page;
+- ``not-openai``: /v1/models and the completions are 404 pages;
+- ``models-empty``: /v1/models answers 200 with an empty body (mlx_lm.server with no Hugging Face
+  cache folder: it sends the status before scanning the cache, which raises), completions work;
 - ``health-503``: /health answers 503 (mlx_lm.server's word for a model that did not load);
 - ``never-ready``: /health answers 404, for ever;
 - ``ignore-sigterm``: as ``ok``, in a process that ignores SIGTERM (as process only);
@@ -82,6 +84,11 @@ def handler_for(mode: str):
             elif self.path.startswith("/v1/models"):
                 if mode == "not-openai":
                     self._json(404, "<html>Not Found</html>")
+                elif mode == "models-empty":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                 else:
                     self._json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
             else:
@@ -97,9 +104,13 @@ def handler_for(mode: str):
             if mode == "500":
                 self._json(500, {"error": "boom"})
                 return
+            if mode == "not-openai":
+                self._json(404, "<html>Not Found</html>")
+                return
             tokens = min(int(body.get("max_tokens", TOKENS)), TOKENS)
             if not body.get("stream"):
-                self._json(200, {"choices": [{"message": {"content": "x" * tokens}, "finish_reason": "length"}],
+                self._json(200, {"model": body.get("model", "fake-model"),
+                                 "choices": [{"message": {"content": "x" * tokens}, "finish_reason": "length"}],
                                  "usage": {"prompt_tokens": 5, "completion_tokens": tokens}})
                 return
             self.send_response(200)

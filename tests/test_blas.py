@@ -45,7 +45,7 @@ def test_opting_out_leaves_the_reference_blas_and_says_so():
 def fresh_preload(monkeypatch):
     """``preload`` as on a fresh import: nothing loaded yet, MLX not imported, loads recorded."""
     loads = []
-    monkeypatch.setattr(blas, "_state", {"preloaded": None, "skipped": None, "source": None})
+    monkeypatch.setattr(blas, "_state", {"preloaded": None, "skipped": None, "source": None, "libraries": []})
     monkeypatch.delitem(sys.modules, "mlx.core")
     monkeypatch.delenv(blas.OPT_OUT_ENV, raising=False)
     monkeypatch.setattr(blas.ctypes, "CDLL", lambda path, mode=0: loads.append((path, mode)))
@@ -57,7 +57,7 @@ def test_the_system_openblas_is_preferred(fresh_preload, monkeypatch):
     monkeypatch.setattr(blas.os.path, "exists", lambda path: path == system)
     assert blas.preload() == system
     assert fresh_preload == [(system, ctypes.RTLD_GLOBAL)]
-    assert blas._state["source"] == "the system"
+    assert blas._state["source"] == "the system" and blas.preloaded_libraries() == [system]
 
 
 def test_without_it_the_wheel_then_its_forwarding_library_load_globally(fresh_preload, monkeypatch):
@@ -66,6 +66,7 @@ def test_without_it_the_wheel_then_its_forwarding_library_load_globally(fresh_pr
     assert blas.preload() == "/w/libscipy_openblas.so"
     assert fresh_preload == [("/w/libscipy_openblas.so", ctypes.RTLD_GLOBAL), ("/p/_cblas_forward.so", ctypes.RTLD_GLOBAL)]
     assert "scipy-openblas32" in blas._state["source"]
+    assert blas.preloaded_libraries() == ["/w/libscipy_openblas.so", "/p/_cblas_forward.so"]  # a server's LD_PRELOAD
 
 
 def test_without_any_the_reason_names_both_fixes(fresh_preload, monkeypatch):
@@ -73,3 +74,12 @@ def test_without_any_the_reason_names_both_fixes(fresh_preload, monkeypatch):
     monkeypatch.setattr(blas.os.path, "exists", lambda path: False)
     assert blas.preload() is None and fresh_preload == []
     assert "C compiler" in blas._state["skipped"] and "apt-get install" in blas._state["skipped"]
+
+
+def test_a_launched_server_calls_the_same_openblas():
+    from mac_moesd.measure import server_process
+
+    env = {**server_process._child_env(), "MAC_MOESD_NO_OPENBLAS": "1"}  # only LD_PRELOAD loads it there
+    out = subprocess.run([sys.executable, "-c", DESCRIBE], capture_output=True, text=True, check=True, env=env)
+    doc = json.loads(out.stdout)
+    assert doc["path"] == blas.preloaded_libraries()[-1] and doc["err"] < 1e-3

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,18 @@ def test_url_that_does_not_speak_openai_is_a_clear_error(tmp_path):
         cfg = serving_stage.ServingConfig(urls=(("x", url),), prompts=("code",))
         with pytest.raises(MacMoesdError, match="does not speak the OpenAI API"):
             serving_stage.run_serving(cfg, store(tmp_path), "cpu")
+
+
+def test_url_needs_only_the_completions_route(tmp_path):
+    # A stock mlx_lm.server without a Hugging Face cache answers /v1/models with an empty 200:
+    # the model's name comes from a one-token completion instead, or from --served-model.
+    with FakeServer("models-empty") as url:
+        cfg = serving_stage.ServingConfig(urls=(("local", url),), concurrency=(1,), tokens=8, prompts=("code",),
+                                          window_s=0.2, warmup_s=0.0)
+        doc = serving_stage.run_serving(cfg, store(tmp_path / "a"), "cpu")
+        assert doc["server"][0]["models"] == ["fake-model"] and doc["legs"][0]["requests"] > 0
+        named = serving_stage.run_serving(replace(cfg, served_model="my-model"), store(tmp_path / "b"), "cpu")
+        assert named["server"][0]["models"] == ["my-model"]
 
 
 def test_url_with_nothing_listening_is_a_clear_error(tmp_path):

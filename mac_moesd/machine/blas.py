@@ -20,7 +20,7 @@ import os
 import platform
 import sys
 
-__all__ = ["OPT_OUT_ENV", "OPENBLAS_CANDIDATES", "describe", "preload"]
+__all__ = ["OPT_OUT_ENV", "OPENBLAS_CANDIDATES", "describe", "preload", "preloaded_libraries"]
 
 OPT_OUT_ENV = "MAC_MOESD_NO_OPENBLAS"
 
@@ -37,7 +37,7 @@ OPENBLAS_CANDIDATES: tuple[str, ...] = (
 WHEEL = "scipy-openblas32"
 FORWARD_MODULE = "mac_moesd.machine._cblas_forward"
 
-_state: dict[str, str | None] = {"preloaded": None, "skipped": None, "source": None}
+_state: dict = {"preloaded": None, "skipped": None, "source": None, "libraries": []}
 
 
 def _wheel_openblas() -> tuple[str, str] | None:
@@ -65,6 +65,7 @@ def _load_wheel() -> str | None:
     except OSError:
         return None
     _state["source"] = f"the {WHEEL} wheel, through {os.path.basename(forward)}"
+    _state["libraries"] = [library, forward]
     return library
 
 
@@ -88,7 +89,7 @@ def preload() -> str | None:
                     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 except OSError:
                     continue
-                _state["preloaded"], _state["source"] = path, "the system"
+                _state["preloaded"], _state["source"], _state["libraries"] = path, "the system", [path]
                 return path
         _state["preloaded"] = _load_wheel()
         if _state["preloaded"] is None:
@@ -96,6 +97,12 @@ def preload() -> str | None:
                                  f"(it builds {FORWARD_MODULE.rsplit('.', 1)[1]} for the {WHEEL} wheel), "
                                  "or install the system's (Debian: apt-get install libopenblas0-pthread)")
     return _state["preloaded"]
+
+
+def preloaded_libraries() -> list[str]:
+    """The libraries ``preload`` loaded, in order: what a child process (a server the suite
+    launches) needs in its LD_PRELOAD to call the same BLAS."""
+    return list(_state["libraries"])
 
 
 class _DlInfo(ctypes.Structure):

@@ -164,9 +164,9 @@ def _child_env() -> dict[str, str]:
     """The server's environment: ours, unbuffered, and on Linux the OpenBLAS this process loaded
     (MLX's bundled reference BLAS would make the server ~40x slower than the suite's timings)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    loaded = blas.describe("cpu")
-    if platform.system() == "Linux" and loaded["name"] == "openblas" and loaded["path"]:
-        env["LD_PRELOAD"] = " ".join(p for p in (env.get("LD_PRELOAD"), loaded["path"]) if p)
+    loaded = blas.preloaded_libraries()
+    if platform.system() == "Linux" and loaded:
+        env["LD_PRELOAD"] = " ".join(p for p in (env.get("LD_PRELOAD"), *loaded) if p)
     return env
 
 

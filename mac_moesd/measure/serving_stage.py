@@ -42,6 +42,7 @@ class ServingConfig:
     warmup_s: float = 5.0
     shared_prefix: int = 0  # tokens every request's prompt shares (0: none)
     urls: tuple[tuple[str, str], ...] = ()  # (name, base URL) of servers already running
+    served_model: str | None = None  # the "model" a --url server is asked for [default: as it says]
     fit: Path | None = None  # a results file (or its folder) holding the pair's fit
     request_timeout_s: float = 120.0
     command: tuple[str, ...] = ()  # the server's command; () = this Python's mlx_lm.server
@@ -60,26 +61,51 @@ def validate(cfg: ServingConfig) -> None:
             raise BadInput(f"--url {name}={url}: expected NAME=http://HOST:PORT")
     for p in cfg.prompts:
         load_prompts(p)
+    if cfg.fit is not None:
+        _fit_source(cfg, {})  # a --fit that is not a results file is refused before any server starts
 
 
-def _probe(name: str, url: str) -> dict:
-    """A running server's description from its /v1/models; a clear error when it does not answer
-    or does not speak the OpenAI API."""
+def _probe(name: str, url: str, served_model: str | None = None) -> dict:
+    """A running server's description: the model it serves from its /v1/models where that lists
+    one, else from a one-token chat completion's own ``model`` field (mlx_lm.server answers
+    /v1/models by scanning the Hugging Face cache, an empty 200 where there is none), or
+    ``served_model`` where given; a clear error when it does not answer or does not speak the
+    OpenAI API."""
+    base = url.rstrip("/")
     try:
-        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=PROBE_TIMEOUT_S)
+        listed = httpx.get(base + "/v1/models", timeout=PROBE_TIMEOUT_S)
+        models = _listed_models(listed)
+        if not models or served_model:
+            body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "temperature": 0.0,
+                    **({"model": served_model} if served_model else {})}
+            answered = httpx.post(base + "/v1/chat/completions", json=body, timeout=PROBE_TIMEOUT_S * 6)
+            models = [served_model] if served_model and answered.status_code == 200 else models
+            models = models or _completion_model(answered)
     except httpx.TimeoutException:
         raise MacMoesdError(f"--url {name}={url} did not answer within {PROBE_TIMEOUT_S:.0f} s") from None
     except httpx.TransportError as err:
         raise MacMoesdError(f"--url {name}={url} does not answer ({type(err).__name__})") from None
-    try:
-        models = [m["id"] for m in response.json()["data"]] if response.status_code == 200 else None
-    except (ValueError, KeyError, TypeError):
-        models = None
     if not models:
-        raise MacMoesdError(f"--url {name}={url} does not speak the OpenAI API: GET /v1/models gave HTTP "
-                            f"{response.status_code} without a list of models")
+        raise MacMoesdError(f"--url {name}={url} does not speak the OpenAI API: neither GET /v1/models "
+                            f"(HTTP {listed.status_code}) nor a one-token POST /v1/chat/completions "
+                            f"(HTTP {answered.status_code}) named a model")
     return {"name": name, "kind": "openai-compatible", "version": None, "url": url, "launched": False,
             "args": None, "models": models}
+
+
+def _listed_models(response: httpx.Response) -> list[str]:
+    try:
+        return [m["id"] for m in response.json()["data"]] if response.status_code == 200 else []
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _completion_model(response: httpx.Response) -> list[str]:
+    try:
+        model = response.json().get("model") if response.status_code == 200 else None
+    except (ValueError, AttributeError):
+        return []
+    return [model] if isinstance(model, str) and model else []
 
 
 def shared_prefix_text(tokens: int, target_folder: Path | None) -> tuple[str, str]:
@@ -197,12 +223,14 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
         target_folder = server_process.served_folder(cfg.target)
         draft_folder = server_process.served_folder(cfg.draft) if cfg.draft else None
     prefix, counted = shared_prefix_text(cfg.shared_prefix, target_folder) if cfg.shared_prefix else ("", None)
+    # Running servers answer before anything is written: a wrong --url leaves the results as they were.
+    probed = [_probe(name, url, cfg.served_model) for name, url in cfg.urls]
     doc = {"target": cfg.target, "draft": cfg.draft, "target_name": target_name, "draft_name": draft_name,
            "gamma": cfg.gamma if cfg.draft or cfg.urls else None, "tokens": cfg.tokens,
            "prompts": [prompt_set_label(p) for p in prompt_sets], "concurrency": list(cfg.concurrency),
            "window_s": cfg.window_s, "warmup_s": cfg.warmup_s,
            "shared_prefix": {"tokens": cfg.shared_prefix, "counted_by": counted} if cfg.shared_prefix else None,
-           "server": [], "legs": [], "predicted": [], "predicted_reason": None,
+           "server": probed, "legs": [], "predicted": [], "predicted_reason": None,
            "crossover_concurrency": None, "crossover_reason": None, "complete": False, "notes": notes}
     key = _key(cfg, target_name, draft_name)
     store.put("serving", key, doc)
@@ -218,7 +246,7 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
 
     with server_process.sigterm_as_interrupt():
         if cfg.urls:
-            _url_legs(cfg, doc, lambda: store.put("serving", key, doc), measure)
+            _url_legs(cfg, doc, measure)
         else:
             _launched_legs(cfg, doc, folder, backend, target_folder, draft_folder, draft_name,
                            lambda: store.put("serving", key, doc), measure, progress)
@@ -230,14 +258,12 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
     return doc
 
 
-def _url_legs(cfg: ServingConfig, doc: dict, save: Callable[[], None], measure) -> None:
-    """Every leg of the servers already running at ``cfg.urls``, as they are configured."""
-    for name, url in cfg.urls:
-        doc["server"].append(_probe(name, url))
-    save()
+def _url_legs(cfg: ServingConfig, doc: dict, measure) -> None:
+    """Every leg of the servers already running at ``cfg.urls`` (probed into ``doc["server"]``),
+    as they are configured."""
     for server in doc["server"]:
         def alive(server=server) -> None:
-            _probe(server["name"], server["url"])
+            _probe(server["name"], server["url"], cfg.served_model)
 
         measure(server["name"], server["url"], server["models"][0], None,
                 lambda url=server["url"]: sd_counters.scrape(url),
