@@ -187,6 +187,36 @@ def test_url_needs_only_the_completions_route(tmp_path):
         assert named["server"][0]["models"] == ["my-model"]
 
 
+def test_an_interrupted_serving_run_resumes_with_only_the_missing_legs(tmp_path, monkeypatch):
+    run_leg, calls = serving.run_leg, []
+
+    def counted(leg):
+        calls.append(leg.concurrency)
+        if len(calls) == 2 and interrupt:
+            raise KeyboardInterrupt  # killed during its second leg
+        return run_leg(leg)
+
+    monkeypatch.setattr(serving, "run_leg", counted)
+    s = store(tmp_path)
+    with FakeServer("ok") as url:
+        cfg = serving_stage.ServingConfig(urls=(("x", url),), concurrency=(1, 2, 4), tokens=8, prompts=("code",),
+                                          window_s=0.2, warmup_s=0.0)
+        interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            serving_stage.run_serving(cfg, s, "cpu")
+        first = json.loads(s.path.read_text())["serving"]["url:x"]["legs"]
+        assert [leg["concurrency"] for leg in first] == [1]
+        interrupt, calls[:] = False, []
+        doc = serving_stage.run_serving(cfg, s, "cpu")
+    assert calls == [2, 4]  # only the missing legs
+    assert [leg["concurrency"] for leg in doc["legs"]] == [1, 2, 4] and doc["legs"][0] == first[0]
+    assert doc["complete"] and "resumed: 1 legs kept" in doc["notes"][-1]
+    # Measured otherwise (another token count), nothing is kept.
+    with FakeServer("ok") as url:
+        again = serving_stage.run_serving(replace(cfg, urls=(("x", url),), concurrency=(1,), tokens=4), s, "cpu")
+    assert calls == [2, 4, 1] and len(again["legs"]) == 1
+
+
 def test_url_with_nothing_listening_is_a_clear_error(tmp_path):
     port = server_process.free_port()
     cfg = serving_stage.ServingConfig(urls=(("x", f"http://127.0.0.1:{port}"),), prompts=("code",))

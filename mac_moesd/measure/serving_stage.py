@@ -158,7 +158,7 @@ def predictions(doc: dict, data: dict, source: str) -> tuple[list[dict], str | N
                 doc["gamma"])
             where = "the server's draft counters"
         if alpha is None:
-            key = f"{target}|{draft}|real|{prompts}"
+            key = schema.spec_key(target, draft, "real", prompts)
             alpha = prediction.acceptance_from_spec(data.get("spec", {}).get(key))
             where = (f"the suite's acceptance pass ({key}, temperature 0, in {source})" if alpha is not None else
                      f"no acceptance pass of {target} with {draft} on {prompts} in {source}: run `mac-moesd spec "
@@ -233,12 +233,18 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
            "server": probed, "legs": [], "predicted": [], "predicted_reason": None,
            "crossover_concurrency": None, "crossover_reason": None, "complete": False, "notes": notes}
     key = _key(cfg, target_name, draft_name)
+    doc["legs"], earlier_servers = _kept(store.data.get("serving", {}).get(key), doc)
+    done = {_leg_id(leg) for leg in doc["legs"]}
+    if done:
+        doc["notes"].append(f"resumed: {len(done)} legs kept from an earlier run of the same configuration")
     store.put("serving", key, doc)
 
     def measure(server: str, url: str, model: str, drafter: str | None,
                 reported: Callable[[], sd_counters.Counts | None], why_none: str, alive: Callable[[], None]) -> None:
         for prompt_set in prompt_sets:
             for c in cfg.concurrency:
+                if (server, c, prompt_set_label(prompt_set)) in done:
+                    continue
                 progress(f"{server} x{c} on {prompt_set_label(prompt_set)}")
                 doc["legs"].append(_leg(cfg, url, model, c, prompt_set, prefix, server, drafter, reported, why_none))
                 store.put("serving", key, doc)
@@ -248,14 +254,39 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
         if cfg.urls:
             _url_legs(cfg, doc, measure)
         else:
+            def needed(server: str) -> bool:
+                return any((server, c, prompt_set_label(p)) not in done for p in prompt_sets for c in cfg.concurrency)
+
             _launched_legs(cfg, doc, folder, backend, target_folder, draft_folder, draft_name,
-                           lambda: store.put("serving", key, doc), measure, progress)
+                           lambda: store.put("serving", key, doc), measure, progress, needed, earlier_servers)
         data, source = _fit_source(cfg, store.data)
         doc["predicted"], doc["predicted_reason"] = predictions(doc, data, source)
         doc["crossover_concurrency"], doc["crossover_reason"] = crossover(doc)
         doc["complete"] = True
         store.put("serving", key, doc)
     return doc
+
+
+# What a serving document's legs were measured under: a rerun with the same keeps them.
+RESUMED_WITH = ("target", "draft", "gamma", "tokens", "prompts", "window_s", "warmup_s", "shared_prefix")
+
+
+def _leg_id(leg: dict) -> tuple:
+    return leg["server"], leg["concurrency"], leg["prompts"]
+
+
+def _kept(earlier: dict | None, doc: dict) -> tuple[list[dict], dict[str, dict]]:
+    """The legs of an earlier run of the same configuration (``RESUMED_WITH``, and for running
+    servers the same URLs) that this one asks for, and that run's servers by name; nothing when
+    there was none or it measured otherwise."""
+    if not earlier or any(earlier.get(k) != doc.get(k) for k in RESUMED_WITH):
+        return [], {}
+    urls = {s["name"]: s["url"] for s in doc["server"]}  # probed running servers (none when launched)
+    if urls and urls != {s["name"]: s["url"] for s in earlier.get("server", [])}:
+        return [], {}
+    legs = [leg for leg in earlier.get("legs", [])
+            if leg.get("concurrency") in doc["concurrency"] and leg.get("prompts") in doc["prompts"]]
+    return legs, {s["name"]: s for s in earlier.get("server", [])}
 
 
 def _url_legs(cfg: ServingConfig, doc: dict, measure) -> None:
@@ -272,14 +303,19 @@ def _url_legs(cfg: ServingConfig, doc: dict, measure) -> None:
 
 
 def _launched_legs(cfg: ServingConfig, doc: dict, folder: Path, backend: str, target_folder, draft_folder,
-                   draft_name: str | None, save: Callable[[], None], measure, progress) -> None:
+                   draft_name: str | None, save: Callable[[], None], measure, progress,
+                   needed: Callable[[str], bool], earlier_servers: dict[str, dict]) -> None:
     """Every leg of mlx_lm.server launched here, plain and (with a drafter) with --draft-model;
-    on the CPU backend each serves a float32 copy (``server_process.cpu_servable``)."""
+    on the CPU backend each serves a float32 copy (``server_process.cpu_servable``). A server
+    whose legs an earlier run measured (``needed``) is not launched again."""
     launches = [("plain", None)] + ([("sd", draft_folder)] if draft_folder else [])
     copies = folder / "served-models"
     served_target, target_note = (server_process.cpu_servable(target_folder, copies) if backend == "cpu"
                                   else (target_folder, {}))
     for name, drafter in launches:
+        if not needed(name) and name in earlier_servers:
+            doc["server"].append(earlier_servers[name])
+            continue
         served_draft, draft_note = ((server_process.cpu_servable(drafter, copies) if backend == "cpu"
                                      else (drafter, {})) if drafter else (None, {}))
         server_cfg = server_process.ServerConfig(

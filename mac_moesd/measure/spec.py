@@ -602,7 +602,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         run["recommended"] = any(_is(run, w) for w in wanted)
     document = {
         "target": target.source.name,
-        "draft": target.source.name if cfg.mode == "self-draft" else cfg.draft,
+        "draft": draft.source.name,  # the resolved name (a folder's, not the path given), as keys use it
         # With prompts, the prompt tokens prefilled, averaged over the runs (each run has its own).
         "context": context,
         "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",

@@ -16,7 +16,8 @@ from mac_moesd.measure import roofline, routing, selftest, spec, sweep, timing
 from mac_moesd.pipeline import estimate, pair_stages, plans, stages
 from mac_moesd.pipeline.runner import Outcome
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsBusy, ResultsStore, WriterLock, load_results, validate, write_atomic
+from mac_moesd.results import (ResultsBusy, ResultsStore, WriterLock, load_results, spec_key, validate,
+                               write_atomic)
 
 __all__ = ["RunOptions", "RunResult", "budget_from", "check_machine", "cluster_sweep", "compare", "dry_run",
            "fit_results", "info", "open_store", "report", "run", "run_roofline", "run_routing", "run_serving",
@@ -191,9 +192,8 @@ def run_spec(cfg: spec.SpecConfig, memory_limit: float | None, out: Path | None,
     with hardware.measuring_stage():
         document = spec.run_spec(cfg, predictor, usable.usable_bytes,
                                  fit.sweep_plain_step(store.data, models.resolve(cfg.target).name))
-    key = f"{document['target']}|{document['draft']}|{cfg.mode}"
-    if document["prompts"]["count"]:
-        key += f"|{document['prompts']['name']}"
+    key = spec_key(document["target"], document["draft"], cfg.mode,
+                   document["prompts"]["name"] if document["prompts"]["count"] else None)
     store.put("spec", key, document)
     document["meta"] = meta
     return document

@@ -31,7 +31,7 @@ from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.pipeline.stages import roofline_stage, sweep_config
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore
+from mac_moesd.results import ResultsStore, spec_key
 
 __all__ = ["as_swept", "pair_stages", "run_pair", "sweep_routing"]
 
@@ -174,7 +174,7 @@ def fit_target(plan: PairPlan, store: ResultsStore) -> None:
 
 def _spec(plan: PairPlan, prompt_set: str) -> Stage:
     """SD with the drafter's own tokens on one prompt set, beside the fit's predictions."""
-    base, key = plan.base, f"{plan.target}|{plan.draft}|real|{prompt_set}"
+    base, key = plan.base, spec_key(plan.target, plan.draft, "real", prompt_set)
 
     def work(ctx: Context) -> None:
         data = ctx.store.data

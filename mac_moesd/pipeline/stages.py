@@ -18,7 +18,7 @@ from mac_moesd.pipeline import estimate
 from mac_moesd.pipeline.plans import Plan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore
+from mac_moesd.results import ResultsStore, spec_key
 
 __all__ = ["default_stages", "roofline_stage", "run_all", "sweep_config"]
 
@@ -80,7 +80,7 @@ def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
 def _spec(plan: Plan) -> Stage:
     """Emulated-acceptance SD on the sparser MoE, beside the fit's predictions."""
     target = plan.moe[0]
-    key = f"{target}|{plan.draft}|emulated-acceptance"
+    key = spec_key(target, plan.draft, "emulated-acceptance")
 
     def work(ctx: Context) -> None:
         data = ctx.store.data

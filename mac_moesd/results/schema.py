@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 __all__ = [
-    "READS", "SCHEMA", "parse_point_key", "point_key", "upgrade",
+    "READS", "SCHEMA", "parse_point_key", "point_key", "spec_key", "upgrade",
     "Meta", "Measurement", "Memory", "Footprint", "ThermalPressure",
     "Roofline", "SweepEntry", "RejectEntry", "RoutingDocument", "FitDocument", "SpecDocument", "SpecRun",
     "AcceptanceEntry", "PairRecord", "PairSearch", "ServingDocument", "ServingLeg", "ClusterShape",
@@ -49,6 +49,13 @@ def upgrade(data: dict) -> dict:
 def point_key(batch: int, tokens: int) -> str:
     """The key of a timed point: ``"<batch>x<tokens>"`` (B sequences of t new tokens each)."""
     return f"{batch}x{tokens}"
+
+
+def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) -> str:
+    """The key of a spec document: ``"<target>|<draft>|<mode>[|<prompt set>]"``, the models by
+    their resolved names (a folder's name, not the path given), so that every command that
+    measures or reads a pair's SD (spec, run, serving, the report) finds the same document."""
+    return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
 
 
 def parse_point_key(key: str) -> tuple[int, int]:
