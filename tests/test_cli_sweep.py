@@ -32,6 +32,7 @@ def test_zoo_json_lists_real_models():
     assert "qwen3-30b-a3b" in table.output and "T_thres" in table.output
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_sweep_json_contract(tmp_path):
     result = invoke("sweep", "tiny-moe", "--batch", "1,2", "--tokens", "1,2", *QUICK,
                     "--out", tmp_path, "--json")

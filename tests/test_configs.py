@@ -18,6 +18,7 @@ def nested_only(config: dict) -> dict:
             "vision_config": {"depth": 2, "hidden_size": 64}, "tie_word_embeddings": False}
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_a_nested_config_is_read_and_swept(config_dir, tmp_path):
     folder = config_dir(nested_only(zoo.by_name("tiny-hybrid-moe").config))
     source = models.resolve(str(folder))

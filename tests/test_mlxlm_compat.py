@@ -80,6 +80,7 @@ def test_a_sweep_of_a_saved_model_runs_without_mlx_lms_private_helpers(tmp_path,
     assert len(doc["points"]) == 4
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_the_sd_loop_runs_without_mlx_lms_private_helpers(monkeypatch):
     remove_private_names(monkeypatch)
     cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1, 2), gammas=(2,), mode="self-draft",

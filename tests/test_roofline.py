@@ -115,6 +115,7 @@ def test_against_spec():
     assert roofline._against_spec(None, 300.0, 5.0) is None
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_cli_roofline_quick_json(tmp_path, monkeypatch):
     monkeypatch.setattr(roofline, "QUICK", TINY)  # the command's wiring and contract, at the tests' sizes
     result = CliRunner().invoke(cli, ["roofline", "--quick", "--json", "--out", str(tmp_path)])

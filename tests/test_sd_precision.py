@@ -79,6 +79,7 @@ def test_a_rollback_is_priced_by_how_often_a_round_rejects():
     assert round_prediction(parts, 0.9e-3, 0.8, 4, batch=2)["rollback_s"] == pytest.approx(0.41611e-3, abs=1e-8)
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_every_run_records_its_precision_and_both_predictions():
     cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=8,
                           new_tokens=4, repeats=3, precision=0.5, budget_s=0.5)

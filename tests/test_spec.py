@@ -21,6 +21,7 @@ def small(mode, **kw):
     return spec.SpecConfig(**args)
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_self_draft_accepts_everything():
     doc = spec.run_spec(small("self-draft"))
     assert doc["draft"] == "tiny-moe"
@@ -34,6 +35,7 @@ def test_self_draft_accepts_everything():
         assert run["predicted_speedup"] == run["predicted_by"]["measured"] > 0
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
     calls = []
 
@@ -53,6 +55,7 @@ def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
         assert run["rounds"] > 0 and len(run["acceptance_by_position"]) == run["gamma"]
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
     calls = []
 

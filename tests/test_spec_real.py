@@ -196,6 +196,7 @@ def test_a_drafter_with_another_tokenizer_is_refused_in_one_line(tiny_pair, tmp_
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_emulated_acceptance_realises_the_imposed_alpha(pair):
     # Emulated acceptance draws each draft position's acceptance at alpha, so a round accepts
     # L = alpha*(1 - alpha^gamma)/(1 - alpha) drafts on average (the chain of Bernoulli draws up to

@@ -112,6 +112,7 @@ def test_bad_sweep_input():
         sweep.check_context(models.resolve("tiny-moe"), cfg)
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_draft_and_reject_steps(tmp_path):
     cfg = sweep.SweepConfig(model="tiny-dense", batches=(1, 2), tokens=(1,), context=8,
                             draft="tiny-draft", budget=TINY_BUDGET)
@@ -195,6 +196,7 @@ def test_a_forward_built_after_a_rollback_sees_only_the_prefix(config_dir):
     assert mx.allclose(lazy, built.model(second, cache=fresh.cache), atol=1e-5).item()
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_sweep_records_both_timings_at_every_point(tmp_path):
     cfg = sweep.SweepConfig(model="tiny-moe", batches=(2, 1), tokens=(1, 2), context=8, budget=TINY_BUDGET,
                             draft="tiny-draft")
