@@ -60,3 +60,21 @@ def test_report_has_the_section_and_its_plot(tmp_path):
     assert "Draft counters: mlx_lm.server reports no accepted or drafted counts." in markdown
     assert (tmp_path / "figures" / "serving-tiny-tiny-draft.png").exists()
     assert "figures/serving-tiny-tiny-draft.png" in markdown
+
+
+def test_the_servers_own_counters_are_shown_per_leg_with_what_it_said_of_its_drafter():
+    counted = dict(leg("sd", 1, 120.0, {"mean": 0.9, "max": 1}, drafter="tiny-draft"),
+                   sd_counters={"reported": True, "source": "/metrics (vllm:spec_decode_num_*_total)", "drafts": 100,
+                                "drafted": 300, "accepted": 180, "accepted_by_position": [80, 60, 40],
+                                "acceptance_rate": 0.6},
+                   drafter_reported={"kind": None, "num_draft": 3})
+    silent = dict(counted, concurrency=4, drafter_reported={"kind": None, "num_draft": None},
+                  sd_counters={"reported": True, "source": "/v1/status (...)", "drafts": 50, "drafted": None,
+                               "accepted": None, "accepted_by_position": None, "acceptance_rate": 0.75,
+                               "note": "counted once per batched MTP step"})
+    doc = dict(DOC, legs=[counted, silent])
+    assert serving_section.counter_rows(doc) == [
+        ["sd x1 code", "/metrics (vllm:spec_decode_num_*_total)", "100", "300", "180", "0.60", "80 60 40", "3 a round"],
+        ["sd x4 code", "/v1/status (...)", "50", "-", "-", "0.75", "-", "reported by the server: none"]]
+    assert "SD as the server counted it:" in serving_section.render_serving(doc)
+    assert serving_section.counter_rows(DOC) == []  # mlx_lm.server counts nothing

@@ -64,6 +64,32 @@ LATENCY_HEADERS = ["server", "prompts", "concurrency", "requests", "failed", "TT
                    "inter-token p50 ms", "inter-token p95 ms", "per-request tok/s p50", "client CPU"]
 
 
+COUNTER_HEADERS = ["leg", "source", "rounds", "drafted", "accepted", "rate", "by position", "drafter reported"]
+
+
+def drafter_reported(leg: dict) -> str:
+    """The drafter kind and draft length the server reported on a leg, or that it reported none."""
+    said = leg.get("drafter_reported") or {}
+    parts = [p for p in (said.get("kind"), f"{said['num_draft']} a round" if said.get("num_draft") else None) if p]
+    return ", ".join(parts) if parts else "reported by the server: none"
+
+
+def counter_rows(doc: dict) -> list[list[str]]:
+    """One row per leg whose server reported draft counters (``measure.sd_counters``)."""
+    rows = []
+    for leg in doc["legs"]:
+        c = leg.get("sd_counters") or {}
+        if not c.get("reported", "source" in c):
+            continue
+        rate = c.get("acceptance_rate")
+        rows.append([f"{leg['server']} x{leg['concurrency']} {leg['prompts']}", c.get("source", "-"),
+                     _num(c.get("drafts")), _num(c.get("drafted")), _num(c.get("accepted")),
+                     "-" if rate is None else f"{rate:.2f}",
+                     " ".join(str(n) for n in c["accepted_by_position"]) if c.get("accepted_by_position") else "-",
+                     drafter_reported(leg)])
+    return rows
+
+
 def _text_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
@@ -88,6 +114,9 @@ def render_serving(doc: dict) -> str:
                     f"{doc['window_s']:g} s window):"]
         out += _text_table(table_headers(doc), table_rows(doc, prompts))
     out += ["", "latency per leg:"] + _text_table(LATENCY_HEADERS, latency_rows(doc))
+    counted = counter_rows(doc)
+    if counted:
+        out += ["", "SD as the server counted it:"] + _text_table(COUNTER_HEADERS, counted)
     out += ["", crossover_sentence(doc)]
     if doc.get("predicted_reason"):
         out.append(f"Predicted lines: {doc['predicted_reason']}")
@@ -161,6 +190,11 @@ def serving_blocks(data: dict, figures: dict) -> list:
         for leg in failed:
             blocks.append(("note", f"Leg {leg['server']} x{leg['concurrency']} on {leg['prompts']}: status failed "
                                    f"({leg['status_reason']}; errors {leg['errors']})."))
+        counted = counter_rows(doc)
+        if counted:
+            blocks += [("h3", "SD as the server counted it"), ("table", COUNTER_HEADERS, counted)]
+            notes = sorted({leg["sd_counters"]["note"] for leg in doc["legs"] if leg["sd_counters"].get("note")})
+            blocks += [("note", note) for note in notes]
         sd_counts = {leg["sd_counters"].get("why") for leg in doc["legs"] if leg["drafter"] and "why" in leg["sd_counters"]}
         for why in sorted(w for w in sd_counts if w):
             blocks.append(("p", f"Draft counters: {why}."))
