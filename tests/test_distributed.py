@@ -241,10 +241,10 @@ def _kill_mid_sweep(tmp_path, config_dir, sig, extra=()):
 def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path, config_dir):
     proc, err, elapsed, command, results = _kill_mid_sweep(tmp_path, config_dir, signal.SIGKILL)
     assert elapsed < 60
-    # mlx.launch itself exits 0 whatever its ranks did; it names the rank that died, then stops
-    # the other, which either saw the loss first or was stopped before it could say so.
+    # mlx.launch names the rank that died, then terminates the other (SIGTERM), which either saw
+    # the loss first or was terminated before it could say so.
     assert "rank 1 exited with code -9" in err, err
-    assert "Error: rank 0: lost the other ranks" in err or "rank 0 was killed" in err, err
+    assert "Error: rank 0: lost the other ranks" in err or "rank 0 exited with code -15" in err, err
     kept = _points(results)
     assert 0 < len(kept) < 6
     rerun = launch(*command)
@@ -261,8 +261,7 @@ def test_killed_rank_ends_the_run_and_a_rerun_resumes(tmp_path, config_dir):
 def test_hung_rank_ends_the_run_in_bounded_time(tmp_path, config_dir):
     proc, err, elapsed, *_ = _kill_mid_sweep(tmp_path, config_dir, signal.SIGSTOP, ("--rank-timeout", "4"))
     assert elapsed < 40
-    assert "Error: rank 0: no answer from the other ranks for 4 s" in err, err
-    assert "rank 0 exited with code 1" in err, err  # and the launcher then stopped the hung rank
+    assert "Error: rank 0: no answer from the other ranks for 4 s" in err, err  # its watchdog ended it
 
 
 @pytest.mark.distributed
