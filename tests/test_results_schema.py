@@ -77,3 +77,20 @@ def test_every_key_of_the_recorded_files_is_declared(path):
 def test_an_undeclared_key_is_found():
     data = {"schema": SCHEMA, "sweeps": {"m|fp16|L64|layers2": {"points": {"1x1": {"median_s": 1.0, "medain_s": 2}}}}}
     assert undeclared(data, schema.ResultsFile, "") == [".sweeps['m|fp16|L64|layers2'].points['1x1'].medain_s"]
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name if p.parent == DATA else "example-report")
+def test_every_value_of_the_recorded_files_has_its_declared_type(path):
+    from mac_moesd.results import validate
+
+    assert validate.first_problem(load_results(path)) is None
+
+
+def test_a_value_of_another_type_is_found_with_its_place():
+    from mac_moesd.results import validate
+
+    data = {"schema": SCHEMA, "spec": {"k": {"runs": [{"greedy_check": {"first_mismatch_at": [3, 9]}},
+                                                      {"batch": "two"}]}}}
+    assert validate.first_problem(data) == ".spec['k'].runs[1].batch is a string, not an integer"
+    assert validate.first_problem({"schema": SCHEMA, "roofline": {"ridge_flop_per_byte": float("inf")}}) == (
+        ".roofline.ridge_flop_per_byte is inf, not a finite number")

@@ -600,7 +600,7 @@ class GreedyCheck(TypedDict, total=False):
     tokens_compared: int
     mismatched: int
     mismatch_rate: float
-    first_mismatch_at: int | None
+    first_mismatch_at: list[int] | int | None  # per mismatched sequence (a single int in early files)
     margin: list[float | None]  # per sequence: the target's top-1 minus top-2 logit at its first mismatch
     near_tie: list[bool]  # per sequence: that margin is under the dtype's near-tie threshold
     valid: bool  # no mismatch, or only near-ties
