@@ -91,6 +91,6 @@ def test_a_value_of_another_type_is_found_with_its_place():
 
     data = {"schema": SCHEMA, "spec": {"k": {"runs": [{"greedy_check": {"first_mismatch_at": [3, 9]}},
                                                       {"batch": "two"}]}}}
-    assert validate.first_problem(data) == ".spec['k'].runs[1].batch is a string, not an integer"
+    assert validate.first_problem(data) == ".spec['k'].runs[1].batch is a string, not a number"
     assert validate.first_problem({"schema": SCHEMA, "roofline": {"ridge_flop_per_byte": float("inf")}}) == (
         ".roofline.ridge_flop_per_byte is inf, not a finite number")

@@ -797,7 +797,7 @@ class ServingLeg(TypedDict, total=False):
     cut: int
     status: str  # ok or failed
     status_reason: str | None
-    tokens: int
+    tokens: float  # tokens generated inside the window (weighted by usage per chunk)
     early_stops: int
     aggregate_tok_s: float | None
     per_request_tok_s: Percentiles

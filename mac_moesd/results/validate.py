@@ -63,8 +63,9 @@ def _problem(value, hint, where: str) -> str | None:
         reason = _fits(value, option, where)
         if reason is None:
             return None
-        reasons.append(reason)
-    return min(reasons, key=len)
+        if option is not type(None):  # "not null" says nothing a null-free option does not
+            reasons.append(reason)
+    return min(reasons, key=len) if reasons else f"{where} is {_kind(value)}, not null"
 
 
 def _fits(value, hint, where: str) -> str | None:
@@ -96,9 +97,9 @@ def _fits(value, hint, where: str) -> str | None:
     if hint is float:
         ok = isinstance(value, _NUMBERS) and not isinstance(value, bool)
         return None if ok else f"{where} is {_kind(value)}, not a number"
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else f"{where} is {_kind(value)}, not an integer"
+    if hint is int:  # a count a writer may have summed from weights: any number, not a string
+        ok = isinstance(value, _NUMBERS) and not isinstance(value, bool)
+        return None if ok else f"{where} is {_kind(value)}, not a number"
     if hint is str:
         return None if isinstance(value, str) else f"{where} is {_kind(value)}, not a string"
     return None  # a hint this check does not know (none today) is not held against the file
