@@ -181,3 +181,18 @@ def test_a_cache_that_cannot_trim_gives_the_second_context_its_prefill_passed(na
     assert short.context == 20 and set(cache_copy.offsets(short.cache)) <= {20}
     assert all(np.array_equal(a, b) for a, b in zip(held_arrays(short.cache), held_arrays(alone.cache)))
     assert parent.shortened(1, 10) is None  # a context its prefill did not pass
+
+
+def test_a_trim_that_would_take_back_fewer_tokens_is_never_used():
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache
+
+    from mac_moesd.measure import rollback
+
+    chunked = ChunkedKVCache(chunk_size=8)
+    chunked.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
+    chunked.maybe_trim_front()  # 10 tokens into a chunk of 8: it starts at position 2
+    assert (chunked.offset, chunked.start_position) == (10, 2)
+    assert rollback._trims(chunked, 8) and not rollback._trims(chunked, 9)  # trim(9) would take back 8
+    plain = KVCache()
+    plain.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    assert rollback._trims(plain, 3) and not rollback._trims(plain, 4)

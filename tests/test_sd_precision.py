@@ -125,3 +125,16 @@ def test_a_quick_runs_rows_say_what_stopped_them():
     assert formatting.measured_speedup({**run, "stopped": "budget"}) == "0.74 [0.65-0.85] 8 pairs, budget spent"
     assert formatting.measured_speedup({**run, "stopped": "precision"}) == "0.74 [0.65-0.85] 8 pairs"
     assert formatting.measured_speedup({**run, "precision_met": False}) == "0.74 [0.65-0.85] 8 pairs, budget spent"
+
+
+def test_the_measured_round_beside_its_priced_parts():
+    from mac_moesd.reporting import formatting
+
+    # 2 sequences, 1.5 drafts accepted a round: 2.5 tokens a sequence a round; SD at 500 tok/s in
+    # all is 250 a sequence, so a round took 2.5/250 = 10 ms.
+    run = {"batch": 2, "mean_accepted": 1.5, "tokens_per_s_sd": 500.0}
+    assert spec.measured_round_s(run) == pytest.approx(0.010)
+    assert spec.measured_round_s({**run, "mean_accepted": None}) is None
+    parts = {"draft_s": 0.002, "verify_s": 0.006, "reject_s": 0.0, "rollback_s": 0.0005, "round_s": 0.0085}
+    assert formatting.round_cell({"round": {**parts, "measured_s": 0.010}}).endswith("= 8.5 ms (measured 10 ms)")
+    assert formatting.round_cell({"round": parts}).endswith("= 8.5 ms")

@@ -53,6 +53,19 @@ def test_a_model_that_re_forwards_pays_its_rollback_in_the_round():
         0.62656 / 2.22656, rel=1e-4)
 
 
+def test_a_re_forwarding_drafter_rolls_back_only_when_a_draft_before_its_last_is_rejected():
+    # The drafter forwarded the pending token and gamma - 1 = 3 drafts: a rejection of the 4th
+    # leaves it holding exactly what is kept. alpha 0.8, B = 1: it rolls back with
+    # p = 1 - 0.8^3 = 0.488 and re-forwards about one step, T_D = 0.1 ms: 0.0488 ms a round;
+    # S = 3.3616 / (1.6 + 0.0488) = 2.03881. With gamma 1 it never rolls back.
+    doc = _fit(bias=0.95e-3, k1=0.0, k2=0.025e-3, draft_bias=0.1e-3, draft_k=0.0, chosen="pairs")
+    doc["reforward"] = ["draft"]
+    model = FittedModel.from_document(doc)
+    assert float(model.rollback_time(1, 4, 0.8, 64)) == pytest.approx(0.0488e-3, rel=1e-9)
+    assert float(model.speedup(1, 4, 0.8, 64)) == pytest.approx(2.03881, abs=1e-5)
+    assert float(model.rollback_time(1, 1, 0.3, 64)) == 0.0
+
+
 def test_round_cost_prices_forwards_as_the_loops_run_them():
     # The model above with pipelining hiding 0.1 ms of each target forward and 0.04 ms of each
     # drafter step. Plain step 1.0 - 0.1 = 0.9 ms; verify 1.2 - 0.1 = 1.1 ms; the first draft

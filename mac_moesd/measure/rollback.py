@@ -75,6 +75,12 @@ def _can_cut(leaf, tokens: int) -> bool:
     return keys is not None and idx == keys.shape[2] and idx - tokens >= max_size
 
 
+def _trims(leaf, tokens: int) -> bool:
+    """Whether ``leaf.trim(tokens)`` takes back all ``tokens``: mlx-lm's trims silently take back
+    fewer where they cannot (a chunked cache never goes before its chunk's ``start_position``)."""
+    return leaf.is_trimmable() and leaf.offset - getattr(leaf, "start_position", 0) >= tokens
+
+
 def _cut_window(leaf, tokens: int) -> None:
     """Drop the last ``tokens`` entries of a window ``_can_cut`` allows."""
     keys, values, offset, keep, max_size, idx = leaf.state
@@ -123,6 +129,8 @@ class Rollback:
                 if not _can_cut(leaf, rejected):
                     return None
                 cuts.append(leaf)
+            elif not _trims(leaf, rejected):
+                return None
         for leaf in self.leaves:
             if any(leaf is cut for cut in cuts):
                 _cut_window(leaf, rejected)
@@ -135,6 +143,9 @@ class Rollback:
             raise MacMoesdError("rollback without a mark: the SD loop must mark before it forwards")
         for leaf, kind, saved in zip(self.leaves, self.kinds, self.saved):
             if kind == "kv":
+                if not _trims(leaf, forwarded):
+                    raise MacMoesdError(f"a {type(leaf).__name__} cannot take back the {forwarded} tokens of "
+                                        "this round (its chunk starts after them), so SD cannot roll it back")
                 leaf.trim(forwarded)
             else:
                 _restore(leaf, saved)

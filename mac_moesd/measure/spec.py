@@ -469,8 +469,17 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     swept = sweep_step(run["batch"]) if sweep_step else None
     return {"predicted_speedup": by["measured"] if by["measured"] is not None else model,
             "predicted_from": "measured" if by["measured"] is not None else ("model" if model else None),
-            "predicted_by": by, "round": measured and {**parts.to_dict(), **measured},
+            "predicted_by": by,
+            "round": measured and {**parts.to_dict(), **measured, "measured_s": measured_round_s(run)},
             "plain_vs_sweep": run["plain_step_s"] / swept if swept else None}
+
+
+def measured_round_s(run: dict) -> float | None:
+    """The round as measured end to end: the tokens a round gives every sequence (mean accepted
+    + 1) over the SD tokens per second of one sequence; the figure the priced parts should sum to."""
+    if run.get("mean_accepted") is None or not run.get("tokens_per_s_sd"):
+        return None
+    return (run["mean_accepted"] + 1) * run["batch"] / run["tokens_per_s_sd"]
 
 
 def recommendations(cfg: SpecConfig, predictor, context: int, partial: dict) -> set[tuple]:

@@ -586,6 +586,7 @@ class RoundAccount(TypedDict, total=False):
     reject_s: float
     rollback_s: float  # the rollback's cost times how often a round rejects; counted in round_s
     round_s: float
+    measured_s: float  # mean tokens per round over one sequence's SD tokens/s: what round_s prices
     hidden_s: float
     tokens_per_round: float
 

@@ -83,20 +83,25 @@ class FittedModel:
     def rollback_time(self, batch, gamma: int, alpha: float, context: int, self_draft: bool = False,
                       comm: bool = True) -> np.ndarray:
         """A round's rollback, averaged over rounds: where a model re-forwards (``reforward``), the
-        chance that a round rolls back times a forward of the tokens it keeps
-        (``theory.kept_on_rollback``): the target's T_T(B, kept), the drafter's one step (a few
-        tokens through a small drafter cost about one step). Trims and window cuts cost nothing
-        the fit can see."""
-        if not self.reforward:
-            return np.zeros_like(np.asarray(batch, dtype=float))
-        kept = theory.kept_on_rollback(alpha, gamma, batch)
-        forward = 0.0
+        chance that it rolls back times a forward of the tokens it keeps
+        (``theory.kept_on_rollback``). The target forwarded gamma + 1 tokens, so it rolls back
+        whenever some draft is rejected and re-forwards T_T(B, kept). The drafter forwarded only
+        the pending token and gamma - 1 drafts, so a rejection at the last draft leaves it holding
+        exactly the kept tokens (``Rollback.undo`` does nothing): it rolls back with the chance for
+        gamma - 1 drafts, and re-forwards about one step (a few tokens through a small drafter;
+        the target's T_T of its kept tokens when it drafts for itself). Trims and window cuts
+        cost nothing the fit can see."""
+        zero = np.zeros_like(np.asarray(batch, dtype=float))
+        target = drafter = zero
         if "target" in self.reforward:
-            forward = forward + self.target(batch, kept, context, comm=comm)
+            kept = theory.kept_on_rollback(alpha, gamma, batch)
+            target = theory.rollback_probability(alpha, gamma, batch) * self.target(batch, kept, context, comm=comm)
         if "draft" in self.reforward or (self_draft and "target" in self.reforward):
-            forward = forward + (self.target(batch, kept, context, comm=comm) if self_draft
-                                 else self.params.draft_time(batch, self.ridge_tokens))
-        return theory.rollback_probability(alpha, gamma, batch) * forward
+            kept = theory.kept_on_rollback(alpha, gamma - 1, batch)
+            step = (self.target(batch, kept, context, comm=comm) if self_draft
+                    else self.params.draft_time(batch, self.ridge_tokens))
+            drafter = theory.rollback_probability(alpha, gamma - 1, batch) * step
+        return target + drafter
 
     def step_times(self, batch, gamma: int, context: int, verify: str = DEFAULT_VERIFY,
                    self_draft: bool = False, comm: bool = True) -> tuple[np.ndarray, ...]:
