@@ -76,3 +76,31 @@ def test_random_routers_spread_tokens_over_the_experts(name, config_dir):
     assert gates
     for gate in gates:
         assert mx.abs(gate.weight).max().item() > 0
+
+
+@pytest.mark.parametrize("name, unit", [
+    ("qwen3.6-35b-a3b", 4),  # full attention one layer in four (layer_types)
+    ("qwen3-next-80b-a3b", 4),  # full_attention_interval 4
+    ("gpt-oss-120b", 2),  # sliding and full attention alternate
+    ("glm-4.5-air", 1),  # every layer alike
+    ("tiny-mamba-moe", 7),  # "MEM*EM-E" has no period: its shortest start holding M, E, * and -
+])
+def test_a_slice_is_cut_in_whole_hybrid_periods(name, unit):
+    assert zoo.slice_unit(zoo.normalise(zoo.by_name(name).config)) == unit
+
+
+def test_slices_halve_in_whole_units():
+    # 40 layers in periods of 4: 20, 8 (10 is not whole), 4, then no smaller slice
+    assert [zoo.smaller_slice(n, 4) for n in (40, 20, 8, 4)] == [20, 8, 4, None]
+    assert [zoo.smaller_slice(n, 1) for n in (24, 12, 3, 1)] == [12, 6, 1, None]
+
+
+def test_a_hybrid_sweep_that_does_not_fit_is_sliced_to_whole_periods():
+    from mac_moesd.measure import sweep
+
+    source = models.resolve("qwen3.6-35b-a3b")
+    cfg = sweep.SweepConfig(model="qwen3.6-35b-a3b", batches=(1,), tokens=(1,), context=16, bits=4)
+    eight = sweep.estimate_bytes(models.build(source, bits=4, layers=8), cfg)
+    # where 8 layers fit and 20 do not: 4 and 8 (halving 40 layer by layer gave 2, which has no
+    # full-attention layer and was refused)
+    assert sweep.plan_layers(source, cfg, eight) == [4, 8]

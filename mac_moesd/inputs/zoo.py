@@ -76,6 +76,33 @@ def slice_config(config: dict, layers: int) -> dict:
     return sliced
 
 
+def slice_unit(config: dict) -> int:
+    """The fewest layers a slice of this (normalised) config takes at a time: a hybrid's period
+    (a full-attention layer every ``full_attention_interval``, or the period of its
+    ``layer_types`` / ``hybrid_override_pattern``), so that a slice of whole periods has the
+    kinds of layers of the whole model in proportion and a sweep's N and 2N layers extrapolate
+    to it; for a pattern with no period, its shortest start holding every kind; 1 for a model
+    whose layers are all alike."""
+    pattern = config.get("hybrid_override_pattern") or config.get("layer_types")
+    if isinstance(pattern, (str, list)) and pattern:
+        kinds = list(pattern)
+        period = next(p for p in range(1, len(kinds) + 1)
+                      if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+        if period <= len(kinds) // 2:
+            return period
+        return next(n for n in range(1, len(kinds) + 1) if set(kinds[:n]) == set(kinds))
+    interval = config.get("full_attention_interval")
+    return int(interval) if interval else 1
+
+
+def smaller_slice(layers: int, unit: int) -> int | None:
+    """The next slice to try below ``layers``: about half of it, in whole ``unit``s and at least
+    one; None when ``layers`` is one unit already."""
+    if layers <= unit:
+        return None
+    return max(unit, layers // 2 // unit * unit)
+
+
 def expert_shape(config: dict) -> tuple[int, int] | None:
     """(E, K) from a config, or None for a dense model."""
     experts = next((config[k] for k in EXPERT_KEYS if config.get(k)), None)

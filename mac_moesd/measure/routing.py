@@ -25,6 +25,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from mac_moesd import mlxlm_compat
+from mac_moesd.inputs import zoo
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.analysis import expert_reads, theory
@@ -302,7 +303,7 @@ class RoutingConfig:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     tokens: tuple[int, ...] = (1, 2, 4, 8)
     length: int = 64  # tokens per sequence
-    layers: int | None = None  # None: all layers if they fit, else the first half, quarter, ...
+    layers: int | None = None  # None: all layers if they fit, else about half, a quarter, ... (zoo.smaller_slice)
     bits: int | None = None
     tau: float = 0.95
     seed: int = 0
@@ -368,8 +369,10 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.Routi
         text, where = None, prompts_label(cfg.prompts)
         sequences = len(load_prompts(cfg.prompts).prompts)  # every prompt long enough is routed
     built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
-    while cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes) and built.layers > 1:
-        built = models.build(source, bits=cfg.bits, layers=built.layers // 2, seed=cfg.seed)
+    unit = zoo.slice_unit(source.config)
+    while (cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes)
+           and zoo.smaller_slice(built.layers, unit) is not None):
+        built = models.build(source, bits=cfg.bits, layers=zoo.smaller_slice(built.layers, unit), seed=cfg.seed)
     need = memory.routing_estimate(built, sequences, cfg.length)
     if not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(

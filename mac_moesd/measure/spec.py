@@ -45,6 +45,7 @@ from mac_moesd.analysis.spec_runs import decoding_context, measured_acceptance, 
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import schema
 from mac_moesd.inputs import prompts as prompt_sets
+from mac_moesd.inputs import zoo
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.measure import timing
@@ -401,6 +402,7 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
     draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
     full = int(target_src.config["num_hidden_layers"])
     draft_full = int(draft_src.config["num_hidden_layers"]) if draft_src else 0
+    unit = zoo.slice_unit(target_src.config)
     layers = full
     while True:
         target = models.build(target_src, dtype, cfg.bits, layers, seed=cfg.seed)
@@ -411,12 +413,14 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
         need = estimate(cfg, target, draft, context)
         if available_bytes is None or need["peak_bytes"] <= available_bytes:
             return target, draft, need
-        if layers == 1:
+        smaller = zoo.smaller_slice(layers, unit)
+        if smaller is None:
             raise MacMoesdError(
                 f"SD of {target_src.name} needs about {human_bytes(need['peak_bytes'])} even with "
-                f"one layer; {human_bytes(available_bytes)} is usable here: try --bits 4, a "
+                f"{'one layer' if layers == 1 else f'{layers} layers (its smallest slice)'}; "
+                f"{human_bytes(available_bytes)} is usable here: try --bits 4, a "
                 "smaller --batch or --context, or a larger --memory-limit")
-        layers //= 2
+        layers = smaller
 
 
 def acceptance_fields(per_round: list[int], gamma: int) -> dict:

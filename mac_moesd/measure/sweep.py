@@ -112,8 +112,10 @@ def estimate_bytes(built: models.Built, cfg: SweepConfig) -> int:
 
 def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | None,
                 build: Builder = models.build) -> list[int]:
-    """Which layer counts to measure: [full], or [N, 2N] to extrapolate, or refuse."""
+    """Which layer counts to measure: [full], or [N, 2N] to extrapolate (N in whole hybrid
+    periods, ``zoo.slice_unit``), or refuse."""
     full = int(source.config["num_hidden_layers"])
+    unit = zoo.slice_unit(source.config)
 
     def fits(n: int) -> bool:
         if available is None:
@@ -122,13 +124,14 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
 
     if cfg.layers is not None:
         plan = [full] if 2 * cfg.layers > full else [cfg.layers, 2 * cfg.layers]
-    elif fits(full):
+    elif fits(full) or 2 * unit > full:
         plan = [full]
     else:
-        n = full // 2
-        while n >= 1 and not fits(2 * n):
-            n //= 2
-        plan = [max(n, 1), 2 * max(n, 1)]
+        n = zoo.smaller_slice(full, unit)
+        while n is not None and not fits(2 * n):
+            n = zoo.smaller_slice(n, unit)
+        n = n or unit
+        plan = [n, 2 * n]
     if not fits(plan[-1]):
         need = estimate_bytes(build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
         raise MacMoesdError(

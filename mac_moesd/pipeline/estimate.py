@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mac_moesd.machine import hardware, memory
-from mac_moesd.inputs import models
+from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import roofline, routing, spec, sweep, timing
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -205,8 +205,10 @@ def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str,
                                 **({"length": length} if length else {}))
     sequences = len(load_prompts(prompts).prompts) if prompts else 2 * max(cfg.batches)
     built = models.build(source, dtype, plan.bits)
-    while memory.routing_estimate(built, sequences, cfg.length)["peak_bytes"] > usable and built.layers > 1:
-        built = models.build(source, dtype, plan.bits, built.layers // 2)
+    unit = zoo.slice_unit(source.config)
+    while (memory.routing_estimate(built, sequences, cfg.length)["peak_bytes"] > usable
+           and zoo.smaller_slice(built.layers, unit) is not None):
+        built = models.build(source, dtype, plan.bits, zoo.smaller_slice(built.layers, unit))
     need = memory.routing_estimate(built, sequences, cfg.length)
     seconds = materialise_seconds(built, rates) + forward_seconds(built, rates, sequences, cfg.length, cfg.length)
     return {"stage": label, "models": [name], "layers": [built.layers],
