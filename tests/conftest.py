@@ -33,3 +33,25 @@ def tiny_pair() -> tuple[str, str]:
     (16 experts, top-2) and a llama drafter in mlx-lm's format, sharing one BPE tokenizer with a
     chat template. Returns (target folder, drafter folder) as strings, as a CLI takes them."""
     return str(TINY_PAIR / "target"), str(TINY_PAIR / "draft")
+
+
+@pytest.fixture(autouse=True)
+def results_written_hold_their_declared_types(request):
+    """After every test, each results file it wrote under its ``tmp_path`` passes the check a
+    later command's load makes (``results.validate``): a writer whose output the schema declares
+    otherwise would make the suite refuse its own file on the next command. Tests that write
+    invalid files on purpose carry ``invalid_results``."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None or request.node.get_closest_marker("invalid_results"):
+        return
+    from mac_moesd.results import schema, validate
+
+    for path in Path(tmp).rglob("results.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("schema") in schema.READS:
+            problem = validate.first_problem(schema.upgrade(data))
+            assert problem is None, f"{path} as written fails its load-time check: {problem}"

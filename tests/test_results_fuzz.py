@@ -15,7 +15,7 @@ from mac_moesd.cli import cli
 RECORDED = Path(__file__).parent.parent / "reports" / "example-linux-cpu-amd-epyc" / "results.json"
 REPLACEMENTS = {"a string": "x", "a list": [], "an object": {}, "-1": -1, "0": 0, "null": None, "1e308": 1e308}
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.invalid_results]
 
 
 def _paths(value, prefix=()):
