@@ -81,6 +81,7 @@ def test_fit_adds_the_measured_communication(cluster_folder):
         assert row["speedup_free_link"] == pytest.approx(float(model.speedup(b, g, 0.7, 64, comm=False)))
 
 
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_report_has_the_cluster_section(cluster_folder):
     folder, doc = cluster_folder
     data = json.loads((folder / "results.json").read_text())
@@ -110,7 +111,8 @@ def test_compare_one_machine_against_two(cluster_folder, tmp_path):
     assert f"2 x {one['chip']} (expert, ring), tiny-moe: {share:.1%}" in result.stdout
 
 
-@pytest.mark.parametrize("parallel", ["tensor", "expert", "pipeline"])
+@pytest.mark.parametrize("parallel", ["tensor", pytest.param("expert", marks=pytest.mark.slow),
+                                      pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_dry_run_plans_deepseek_v3_per_rank_on_two_m3_ultras(parallel):
     args = ["run", "--dry-run", "--models", "deepseek-v3", "--chip", "Apple M3 Ultra", "--memory", "512",
             "--ranks", "2", "--parallel", parallel, "--json"]

@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -91,6 +92,16 @@ def synthetic_results(batches=(1, 2, 4, 8, 16), tokens=(1, 2, 3, 4, 6, 8), noise
     if not drafter:
         del data["draft"], data["reject"]
     return data
+
+
+@functools.lru_cache(maxsize=1)
+def _synthetic_fit_document() -> str:
+    return json.dumps(fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results()))))
+
+
+def synthetic_fit_document() -> dict:
+    """The fit document of the default synthetic data (fitted once per session; a fresh copy)."""
+    return json.loads(_synthetic_fit_document())
 
 
 def test_fit_recovers_known_parameters_from_noisy_data():
@@ -247,7 +258,7 @@ def test_cli_fit_without_drafter_or_roofline_exits_0_and_names_what_is_missing(t
 KNEE = dataclasses.replace(TRUE, s=1.3, lam=0.7)
 
 
-@pytest.mark.parametrize("bits, ridge", [(None, 10.8), (4, 36.0)])
+@pytest.mark.parametrize("bits, ridge", [(None, 10.8), pytest.param(4, 36.0, marks=pytest.mark.slow)])
 def test_knee_is_recovered_in_tokens_for_the_weight_format(bits, ridge):
     inputs = fit.inputs_from_results(synthetic_results(ridge=ridge, bits=bits, model=KNEE, seed=1))
     assert inputs.weight_format == ("4bit" if bits else "fp32")
@@ -260,7 +271,7 @@ def test_knee_is_recovered_in_tokens_for_the_weight_format(bits, ridge):
     assert result.params.knee(inputs.ridge_tokens) == pytest.approx(true_knee, rel=0.15)
 
 
-@pytest.mark.parametrize("loads", ["pairs", "mlx"])
+@pytest.mark.parametrize("loads", ["mlx", pytest.param("pairs", marks=pytest.mark.slow)])
 def test_held_out_error_picks_the_expert_load_variant_that_made_the_data(loads):
     result = fit.fit(fit.inputs_from_results(synthetic_results(loads=loads)))
     assert result.chosen == loads
@@ -271,6 +282,7 @@ def test_held_out_error_picks_the_expert_load_variant_that_made_the_data(loads):
     assert fit.regime(result).startswith("On Apple M2 Max (? backend) with MLX ?")
 
 
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_the_fit_follows_the_counted_unique_experts_of_correlated_routing():
     # Consecutive tokens reuse experts (c = 0.3, as random and real routers do): the counts the
     # sweep records carry the expert reads; assuming uniform N(B*t) misfits the same times.
@@ -327,7 +339,7 @@ def test_predictions_use_gamma_plus_one_verify_tokens():
     (row,) = fit.predict(m, 64, (2,), (3,), (0.8,), verify="gamma")
     assert row["target_efficiency"] == pytest.approx(0.84)
     # The paper comparison's batch-1 prediction is the predictions' own row.
-    doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
+    doc = synthetic_fit_document()
     row = next(r for r in doc["paper_comparison"] if r["gamma"] == 4 and r["alpha"] == 0.7)
     at1 = next(p["speedup"] for p in doc["predictions"] if p["batch"] == 1 and p["gamma"] == 4
                and p["alpha"] == 0.7)
@@ -347,7 +359,7 @@ def test_speedup_predictor_applies_kv_at_the_runs_context():
     assert predictor(1, 4, 0.8, False, 512) == pytest.approx(2.406600, abs=1e-6)
     assert predictor(1, 4, 0.8, False, 4096) == pytest.approx(3.007499, abs=1e-6)
     # A fit to synthetic data with a KV term finds one, and predicts the same gain with context.
-    doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
+    doc = synthetic_fit_document()
     predictor = fit.speedup_predictor(doc)
     assert fit.FittedModel.from_document(doc).k_kv > 0
     assert predictor(2, 4, 0.7, False, 64 * L) > predictor(2, 4, 0.7, False, L)
@@ -358,6 +370,7 @@ def test_speedup_predictor_applies_kv_at_the_runs_context():
 @pytest.mark.parametrize("results", [Path(__file__).parent / "data" / "results_quick_cpu.json",
                                      Path(__file__).parent / "data" / "results_quick_cpu_early.json"],
                          ids=["current", "early"])
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_cli_fit_on_a_cpu_results_file_chooses_no_worse_than_unique(tmp_path, results):
     path = tmp_path / "results.json"
     shutil.copy(results, path)
@@ -404,6 +417,7 @@ def test_sort_threshold_read_from_mlx_lm_or_defaulted(monkeypatch):
     assert threshold == theory.MLX_SORT_THRESHOLD and source.startswith("default")
 
 
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_a_hybrid_target_or_drafter_is_fitted_to_re_forward_its_rollback():
     data = json.loads((Path(__file__).parent / "data" / "results_quick_cpu.json").read_text())
     assert fit_inputs.inputs_from_results(data, "tiny-moe").reforward == ()  # plain KV caches: trims

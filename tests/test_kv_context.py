@@ -12,7 +12,7 @@ from mac_moesd.machine import memory
 from mac_moesd.measure import sweep
 from mac_moesd.results import ResultsStore
 from conftest import TINY_BUDGET
-from test_fit import K_KV, L, synthetic_results, true_time
+from test_fit import K_KV, L, synthetic_fit_document, synthetic_results, true_time
 
 K_SEQ = 1.5e-3  # seconds per sequence per forward, whatever the context
 SECOND = L // 4
@@ -59,6 +59,7 @@ def test_a_second_context_separates_the_kv_term_from_costs_per_sequence():
     assert stored.k_seq == pytest.approx(result.best.k_seq)
 
 
+@pytest.mark.slow  # several whole fits, seconds
 def test_at_one_context_the_kv_term_carries_every_cost_per_sequence_and_the_fit_says_so():
     inputs = fit.inputs_from_results(with_costs_per_sequence(synthetic_results(noise=0.005), second_context=None))
     assert fit.NO_SECOND_CONTEXT in inputs.missing
@@ -173,7 +174,7 @@ def test_a_model_whose_cache_cannot_trim_is_said_to_be_timed_at_one_context():
 def test_fits_stored_before_second_contexts_still_render():
     from mac_moesd.reporting import formatting
 
-    doc = fit.fit_document(fit.fit(fit.inputs_from_results(synthetic_results())))
+    doc = synthetic_fit_document()
     for key in ("kv", "k_seq"):
         del doc[key]
     for variant in doc["variants"]:

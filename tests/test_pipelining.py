@@ -27,6 +27,7 @@ def test_hidden_seconds_is_the_median_difference_clipped_to_half_a_forward():
     assert pipelining.pipelined([0.010, 0.002], 0.002).tolist() == pytest.approx([0.008, 0.001])
 
 
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_the_hidden_figure_comes_from_the_one_token_points_when_the_grid_has_them():
     data = with_pipelined(synthetic_results(noise=0.0))
     for entry in data["sweeps"].values():  # longer windows: chains that hide nothing
@@ -68,6 +69,7 @@ def test_each_loop_is_predicted_with_what_pipelining_hides_worked_by_hand():
     assert predictor(1, 4, 0.8, True, 64) == pytest.approx(0.63030, abs=1e-6)
 
 
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_pipelining_lowers_the_predicted_speedup_when_graph_building_is_hidden_from_plain_decode():
     plain_only = fit.fit(fit.inputs_from_results(synthetic_results(noise=0.0)))
     both = fit.fit(fit.inputs_from_results(with_pipelined(synthetic_results(noise=0.0), hidden_d=0.0)))

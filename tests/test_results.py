@@ -110,6 +110,7 @@ def test_the_lock_goes_with_the_process_that_held_it(tmp_path):
     subprocess.run([sys.executable, "-c", HOLD, str(path)], input="", text=True, check=True, capture_output=True)
 
 
+@pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_fit_on_a_busy_file_prints_its_fit_and_says_it_was_not_saved(tmp_path):
     import shutil
     import subprocess

@@ -21,7 +21,12 @@ def small_sweep(model, **kw):
     return sweep.SweepConfig(**args)
 
 
-@pytest.mark.parametrize("entry", zoo.ZOO, ids=lambda e: e.name)
+# The CI twins (one per kind of cache) in the default suite; every other architecture's miniature,
+# seconds each, in the slow one.
+ARCHITECTURES = [e if e.name.startswith("tiny-") else pytest.param(e, marks=pytest.mark.slow) for e in zoo.ZOO]
+
+
+@pytest.mark.parametrize("entry", ARCHITECTURES, ids=lambda e: e.name)
 def test_every_zoo_architecture_runs_a_timed_forward_with_rollback(entry, config_dir, tmp_path):
     config = zoo.miniature(entry.config)
     if "sliding_window" in config:
