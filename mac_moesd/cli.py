@@ -13,7 +13,7 @@ import click
 from mac_moesd import __version__
 from mac_moesd.analysis import theory
 from mac_moesd.cli_options import (NumberList, UrlPair, budget_options, cluster_options, dry_run_options, json_option,
-                                   memory_limit_option, out_option, precision_options, prompt_set_names, rollback_option,
+                                   memory_limit_option, out_option, precision_options, comma_names, rollback_option,
                                    run_options, with_options)
 from mac_moesd.console import Cli, ProgressBar, emit, finish_run, warn
 from mac_moesd.errors import MacMoesdError
@@ -301,7 +301,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
     if served_model and not urls:
         raise click.UsageError("--served-model goes with --url")
     cfg = ServingConfig(target=target, draft=draft, gamma=gamma, concurrency=concurrency, tokens=tokens,
-                        prompts=prompt_set_names(prompts), window_s=window,
+                        prompts=comma_names(prompts), window_s=window,
                         warmup_s=warmup, shared_prefix=shared_prefix, urls=tuple(urls), served_model=served_model, fit=fit,
                         request_timeout_s=request_timeout)
     with ProgressBar("serving") as progress:

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 __all__ = ["NumberList", "UrlPair", "budget_options", "cluster_options", "dry_run_options", "json_option",
-           "memory_limit_option", "out_option", "precision_options", "prompt_set_names", "run_options",
+           "memory_limit_option", "out_option", "precision_options", "comma_names", "run_options",
            "with_options"]
 
 
@@ -126,12 +126,12 @@ dry_run_options = [
 ]
 
 
-def prompt_set_names(value: str) -> tuple[str, ...]:
-    """``--prompts``' comma-separated prompt sets, at least one."""
-    sets = tuple(p.strip() for p in value.split(",") if p.strip())
-    if not sets:
-        raise click.BadParameter("name at least one prompt set", param_hint="'--prompts'")
-    return sets
+def comma_names(value: str, option: str = "--prompts", what: str = "prompt set") -> tuple[str, ...]:
+    """An option's comma-separated names (``--prompts``' prompt sets by default), at least one."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise click.BadParameter(f"name at least one {what}", param_hint=f"'{option}'")
+    return names
 
 
 def run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks, serving,
@@ -152,13 +152,11 @@ def run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, 
         raise click.UsageError("--target/--draft measure your own pair; --models and --full choose zoo models")
     if prompt_sets is not None and (models or full):
         raise click.UsageError("--prompts goes with a pair (--target/--draft), not with --models or --full")
-    sets = prompt_set_names(prompt_sets if prompt_sets is not None else "code,chat")
+    sets = comma_names(prompt_sets if prompt_sets is not None else "code,chat")
     if cluster_flags and ranks == 1:
         raise click.UsageError("--parallel and --link-gbps describe a cluster: use them with --dry-run --ranks N")
     if ranks > 1 and not dry_run:
         raise click.UsageError("--ranks plans a cluster with --dry-run; measure one with "
                                "`mlx.launch -n N -- mac-moesd sweep MODEL --parallel MODE`")
-    names = tuple(m.strip() for m in (models or "").split(",") if m.strip())
-    if models is not None and not names:
-        raise click.BadParameter("name at least one model", param_hint="'--models'")
+    names = comma_names(models, "--models", "model") if models is not None else ()
     return RunOptions(quick, full, names, target, draft, sets, prompt_sets is not None, serving)

@@ -45,7 +45,7 @@ def test_opting_out_leaves_the_reference_blas_and_says_so():
 def fresh_preload(monkeypatch):
     """``preload`` as on a fresh import: nothing loaded yet, MLX not imported, loads recorded."""
     loads = []
-    monkeypatch.setattr(blas, "_state", {"preloaded": None, "skipped": None, "source": None, "libraries": []})
+    monkeypatch.setattr(blas, "_state", {"libraries": [], "source": None, "skipped": None})
     monkeypatch.delitem(sys.modules, "mlx.core")
     monkeypatch.delenv(blas.OPT_OUT_ENV, raising=False)
     monkeypatch.setattr(blas.ctypes, "CDLL", lambda path, mode=0: loads.append((path, mode)))

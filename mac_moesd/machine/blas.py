@@ -37,7 +37,14 @@ OPENBLAS_CANDIDATES: tuple[str, ...] = (
 WHEEL = "scipy-openblas32"
 FORWARD_MODULE = "mac_moesd.machine._cblas_forward"
 
-_state: dict = {"preloaded": None, "skipped": None, "source": None, "libraries": []}
+# What ``preload`` did: the libraries it loaded, in order (the OpenBLAS first), where they came
+# from, or why it loaded none.
+_state: dict = {"libraries": [], "source": None, "skipped": None}
+
+
+def _preloaded() -> str | None:
+    """The OpenBLAS ``preload`` loaded, or None."""
+    return _state["libraries"][0] if _state["libraries"] else None
 
 
 def _wheel_openblas() -> tuple[str, str] | None:
@@ -53,20 +60,20 @@ def _wheel_openblas() -> tuple[str, str] | None:
     return library, forward.origin
 
 
-def _load_wheel() -> str | None:
-    """Load the wheel's OpenBLAS, then the forwarding library, both globally; the OpenBLAS path."""
+def _load_wheel() -> bool:
+    """Load the wheel's OpenBLAS, then the forwarding library, both globally; whether both loaded."""
     found = _wheel_openblas()
     if found is None:
-        return None
+        return False
     library, forward = found
     try:
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
         ctypes.CDLL(forward, mode=ctypes.RTLD_GLOBAL)
     except OSError:
-        return None
+        return False
     _state["source"] = f"the {WHEEL} wheel, through {os.path.basename(forward)}"
     _state["libraries"] = [library, forward]
-    return library
+    return True
 
 
 def preload() -> str | None:
@@ -74,8 +81,8 @@ def preload() -> str | None:
 
     Returns the loaded path, or None (the reason is kept for ``describe``).
     """
-    if _state["preloaded"] or _state["skipped"]:
-        return _state["preloaded"]
+    if _preloaded() or _state["skipped"]:
+        return _preloaded()
     if platform.system() != "Linux":
         _state["skipped"] = "not Linux"
     elif os.environ.get(OPT_OUT_ENV, "") not in ("", "0"):
@@ -89,14 +96,13 @@ def preload() -> str | None:
                     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 except OSError:
                     continue
-                _state["preloaded"], _state["source"], _state["libraries"] = path, "the system", [path]
+                _state["source"], _state["libraries"] = "the system", [path]
                 return path
-        _state["preloaded"] = _load_wheel()
-        if _state["preloaded"] is None:
+        if not _load_wheel():
             _state["skipped"] = (f"no OpenBLAS found: reinstall mac-moesd where a C compiler is present "
                                  f"(it builds {FORWARD_MODULE.rsplit('.', 1)[1]} for the {WHEEL} wheel), "
                                  "or install the system's (Debian: apt-get install libopenblas0-pthread)")
-    return _state["preloaded"]
+    return _preloaded()
 
 
 def preloaded_libraries() -> list[str]:
@@ -155,9 +161,7 @@ def describe(backend: str) -> dict:
                 f"memory-bound effects are invisible ({note or 'OpenBLAS was not loaded'}); rerun after."
             )
         return {"name": "reference", "path": None, "note": note, "warning": warning}
-    if "_cblas_forward" in os.path.basename(path) and _state["preloaded"]:
-        path, note = _state["preloaded"], f"loaded from {_state['source']}"
-    elif _state["preloaded"] == path:
-        note = f"loaded from {_state['source']}"
+    if path in _state["libraries"]:  # ours: the OpenBLAS, or the library forwarding to it
+        path, note = _preloaded(), f"loaded from {_state['source']}"
     name = "openblas" if "openblas" in path.lower() else os.path.basename(path)
     return {"name": name, "path": path, "note": note, "warning": None}

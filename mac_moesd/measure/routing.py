@@ -371,8 +371,8 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.Routi
     built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
     unit = zoo.slice_unit(source.config)
     while (cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes)
-           and zoo.smaller_slice(built.layers, unit) is not None):
-        built = models.build(source, bits=cfg.bits, layers=zoo.smaller_slice(built.layers, unit), seed=cfg.seed)
+           and (smaller := zoo.smaller_slice(built.layers, unit)) is not None):
+        built = models.build(source, bits=cfg.bits, layers=smaller, seed=cfg.seed)
     need = memory.routing_estimate(built, sequences, cfg.length)
     if not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(

@@ -85,7 +85,8 @@ def from_response(event: dict) -> Counts | None:
         return Counts("responses (generation_metadata.mtp_drafts, mtp_accepted: vllm-mlx)",
                       drafted=_int(metadata["mtp_drafts"]), accepted=_int(metadata.get("mtp_accepted")) or 0,
                       kind="mtp")
-    spec = (event.get("metrics") or {}).get("speculative_decoding") if isinstance(event.get("metrics"), dict) else None
+    metrics = event.get("metrics")
+    spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
     if isinstance(spec, dict) and isinstance(spec.get("drafted_by_depth"), list):
         accepted = [int(a) for a in spec.get("accepted_by_depth") or []]
         drafted = [int(d) for d in spec["drafted_by_depth"]]

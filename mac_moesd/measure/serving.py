@@ -222,6 +222,7 @@ def leg_document(cfg: LegConfig, records: list[RequestRecord], cpu: dict, server
     elif share > FAILED_SHARE:
         status, why = "failed", f"{share:.0%} of requests failed (over {FAILED_SHARE:.0%})"
     prompt_tokens = [r.prompt_tokens for r in finished if r.prompt_tokens is not None]
+    counters, drafter_said = leg_sd_counters(finished, cfg.concurrency, scraped, scraped_counts)
     none = "no request finished inside the window"
     return {
         "server": server, "drafter": drafter, "gamma": gamma, "concurrency": cfg.concurrency,
@@ -236,8 +237,8 @@ def leg_document(cfg: LegConfig, records: list[RequestRecord], cpu: dict, server
         "itl_s": _percentiles(itl, "no finished request streamed two chunks"),
         "in_flight": overlap(generating, lo, hi),
         "prompt_tokens_mean": float(np.mean(prompt_tokens)) if prompt_tokens else None,
-        **dict(zip(("sd_counters", "drafter_reported"),
-                   leg_sd_counters(finished, cfg.concurrency, scraped, scraped_counts))),
+        "sd_counters": counters,
+        "drafter_reported": drafter_said,
         "client_cpu": cpu,
     }
 

@@ -178,7 +178,8 @@ class Precision:
         return low > 1 + self.target or high < 1 - self.target
 
     def stop_reason(self, speedups: list[float], elapsed_s: float) -> str | None:
-        """Why the pairs so far are enough (``STOPS``), or None while they are not."""
+        """Why the pairs so far are enough ("precision", "decided" or "budget"), or None while
+        they are not."""
         if len(speedups) < self.min_pairs:
             return None
         if self.half_width(speedups) <= self.target:

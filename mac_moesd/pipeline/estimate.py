@@ -207,8 +207,8 @@ def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str,
     built = models.build(source, dtype, plan.bits)
     unit = zoo.slice_unit(source.config)
     while (memory.routing_estimate(built, sequences, cfg.length)["peak_bytes"] > usable
-           and zoo.smaller_slice(built.layers, unit) is not None):
-        built = models.build(source, dtype, plan.bits, zoo.smaller_slice(built.layers, unit))
+           and (smaller := zoo.smaller_slice(built.layers, unit)) is not None):
+        built = models.build(source, dtype, plan.bits, smaller)
     need = memory.routing_estimate(built, sequences, cfg.length)
     seconds = materialise_seconds(built, rates) + forward_seconds(built, rates, sequences, cfg.length, cfg.length)
     return {"stage": label, "models": [name], "layers": [built.layers],
