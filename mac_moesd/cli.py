@@ -203,23 +203,29 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 
 @cli.command(name="spec")
 @click.argument("target")
-@click.option("--draft", required=True, help="Drafter model (ignored with --mode self-draft).")
+@click.option("--draft", required=True,
+              help="Drafter: a model, or prompt-lookup (n-gram drafting from the context, no model; "
+                   "--mode real). Ignored with --mode self-draft.")
 @click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4", show_default=True)
 @click.option("--gamma", "gammas", type=NumberList(int, minimum=1), default="2,4", show_default=True,
               help="Draft lengths.")
 @click.option("--alpha", "alphas", type=NumberList(float, minimum=0, open_min=True), default="0.7",
               show_default=True, help="Acceptance rates for --mode emulated-acceptance, in (0, 1).")
-@click.option("--mode", type=click.Choice(["real", "self-draft", "emulated-acceptance"]),
-              default="emulated-acceptance", show_default=True,
+@click.option("--mode", type=click.Choice(["real", "self-draft", "emulated-acceptance"]), default=None,
               help="real: the drafter's own tokens; self-draft: draft = target (all accepted); "
-                   "emulated-acceptance: each draft token accepted with probability alpha.")
+                   "emulated-acceptance: each draft token accepted with probability alpha "
+                   "[default: real with --draft prompt-lookup, else emulated-acceptance].")
+@click.option("--lookup-max-ngram", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Prompt lookup: the longest n-gram of the context's end searched for.")
+@click.option("--lookup-min-ngram", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Prompt lookup: the shortest n-gram tried before a round proposes nothing.")
 @click.option("--context", type=click.IntRange(min=1), default=64, show_default=True,
               help="Prompt tokens of random ids (random-weight models; real prompts set their own).")
 @click.option("--tokens", "new_tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens each sequence generates per timed run.")
 @with_options(precision_options)
 @click.option("--prompts", default=None,
-              help="code, chat (built-in sets) or FILE (text: blank-line-separated prompts; "
+              help="code, chat, edit, quote (built-in sets) or FILE (text: blank-line-separated prompts; "
                    ".jsonl: a 'prompt' field per line), through the model's tokenizer and chat "
                    "template [default: code for a model with weights; random ids for random weights].")
 @click.option("--temperature", "temperatures", type=NumberList(float, minimum=0), default="0",
@@ -230,8 +236,9 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 @memory_limit_option
 @out_option()
 @json_option
-def spec_command(target, draft, batches, gammas, alphas, mode, context, new_tokens, repeats, precision,
-                 budget_s, prompts, temperatures, max_prompts, rollback, memory_limit, out, as_json) -> None:
+def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram, lookup_min_ngram, context,
+                 new_tokens, repeats, precision, budget_s, prompts, temperatures, max_prompts, rollback,
+                 memory_limit, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction.
 
     With --mode real on a model with weights, also the drafter's acceptance on a prompt set
@@ -242,13 +249,20 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
     at temperature 0 its output greedy's but for float near-ties. Exits 1 when one fails (the
     results are written, marked invalid).
     """
+    from mac_moesd.measure.prompt_lookup import DRAFTER_NAME, LookupRule
     from mac_moesd.measure.spec import SpecConfig
     from mac_moesd.pipeline import commands
 
+    if lookup_min_ngram > lookup_max_ngram:
+        raise click.BadParameter(f"{lookup_min_ngram} is above --lookup-max-ngram {lookup_max_ngram}",
+                                 param_hint="'--lookup-min-ngram'")
+    if mode is None:
+        mode = "real" if draft == DRAFTER_NAME else "emulated-acceptance"
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
                      precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
-                     max_prompts=max_prompts, rollback=rollback)
+                     max_prompts=max_prompts, rollback=rollback,
+                     lookup=LookupRule(lookup_max_ngram, lookup_min_ngram))
     document = commands.run_spec(cfg, memory_limit, out, warn)
     emit(document, as_json, render_spec)
     if document.get("valid") is False:
@@ -266,7 +280,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, context, new_toke
 @click.option("--tokens", type=click.IntRange(min=1), default=128, show_default=True,
               help="max_tokens of every request.")
 @click.option("--prompts", default="chat,code", show_default=True,
-              help="Comma-separated prompt sets: code, chat or a FILE.")
+              help="Comma-separated prompt sets: code, chat, edit, quote or a FILE.")
 @click.option("--window", type=click.FloatRange(0, min_open=True), default=20.0, show_default=True,
               metavar="S", help="Seconds of each measured window.")
 @click.option("--warmup", type=click.FloatRange(0), default=5.0, show_default=True, metavar="S",
@@ -320,7 +334,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
 @click.option("--draft", default=None, help="The drafter for --target (same tokenizer).")
 @click.option("--prompts", "prompt_sets", default=None,
               help="With --target (or a cached pair): comma-separated prompt sets for SD and routing: "
-                   "code, chat, or a FILE (blank-line-separated prompts, or JSONL with a 'prompt' "
+                   "code, chat, edit, quote, or a FILE (blank-line-separated prompts, or JSONL with a 'prompt' "
                    "field) [default: code,chat].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="Reports folder; this machine's report goes in OUT/<chip-slug>.")

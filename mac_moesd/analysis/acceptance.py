@@ -43,24 +43,32 @@ def solve_alpha(mean_accepted: float, gamma: int) -> float:
     return float(brentq(lambda a: _accepted_length(a, gamma) - mean_accepted, 0.0, 1.0, xtol=1e-12))
 
 
-def summarise_rounds(accepted: Iterable[int], gamma: int) -> dict:
+def summarise_rounds(accepted: Iterable[int], gamma: int, proposed: Iterable[int] | None = None) -> dict:
     """Mean accepted length, sigma, acceptance by position and the solved alpha, from the draft
-    tokens accepted in each round (one entry per sequence per round).
+    tokens accepted in each round (one entry per sequence per round), and ``proposed``, the
+    draft tokens each round offered where that varies (prompt lookup; None: gamma every round).
 
-    ``acceptance_by_position[i]`` is the fraction of rounds whose draft token i+1 was accepted.
-    sigma = (L + 1)/(gamma + 1): tokens per round over the gamma+1 a round could produce.
+    ``acceptance_by_position[i]`` is the fraction of the rounds that offered a draft token i+1
+    whose draft token i+1 was accepted (None where no round offered one). Every round counts in
+    ``rounds`` and the mean, one that offered nothing as one that accepted 0. sigma =
+    (L + 1)/(gamma + 1): tokens per round over the gamma+1 a round could produce.
     """
     counts = np.asarray(list(accepted), dtype=int)
+    offered = np.full(counts.shape, gamma) if proposed is None else np.asarray(list(proposed), dtype=int)
     if counts.size == 0:
         raise ValueError("no complete speculative round to measure acceptance from")
-    if counts.min() < 0 or counts.max() > gamma:
-        raise ValueError(f"accepted counts must be in [0, gamma={gamma}]")
+    if offered.shape != counts.shape or offered.min() < 0 or offered.max() > gamma:
+        raise ValueError(f"proposed counts must be in [0, gamma={gamma}], one per round")
+    if counts.min() < 0 or (counts > offered).any():
+        raise ValueError(f"accepted counts must be in [0, the tokens offered <= gamma={gamma}]")
     mean = float(counts.mean())
+    by_position = [float((counts[offered >= i] >= i).mean()) if (offered >= i).any() else None
+                   for i in range(1, gamma + 1)]
     return {
         "rounds": int(counts.size),
         "mean_accepted": mean,
         "sigma": (mean + 1.0) / (gamma + 1.0),
-        "acceptance_by_position": [float((counts >= i).mean()) for i in range(1, gamma + 1)],
+        "acceptance_by_position": by_position,
         "alpha": solve_alpha(mean, gamma),
     }
 

@@ -1,7 +1,9 @@
 """Prompt sets for measuring speculative decoding on a model with real weights.
 
-``code`` (function stubs with docstrings in several languages) and ``chat`` (open-ended
-requests) ship with the package, written for it. A user's FILE is either text, one prompt per
+``code`` (function stubs with docstrings in several languages), ``chat`` (open-ended requests),
+``edit`` (a passage of code asked back with one small change, so that the answer repeats most of
+its prompt) and ``quote`` (a passage, then a question answered by quoting it) ship with the
+package, written for it; the last two are where prompt lookup drafts well. A user's FILE is either text, one prompt per
 block of lines separated by blank lines, or JSONL (``.jsonl``) with a string ``prompt`` field on
 every line. Prompts are tokenised with the model's tokenizer, through its chat template when it
 has one (each prompt as one user message, with the generation prompt appended), as a chat
@@ -20,12 +22,12 @@ from mac_moesd.errors import BadInput
 
 __all__ = ["BUILTIN_SETS", "PromptSet", "load_prompts", "load_tokenizer", "tokenize"]
 
-BUILTIN_SETS = ("code", "chat")
+BUILTIN_SETS = ("code", "chat", "edit", "quote")
 
 
 @dataclass(frozen=True)
 class PromptSet:
-    """Prompts and where they came from (``code``, ``chat`` or the file's path)."""
+    """Prompts and where they came from (a built-in set's name or the file's path)."""
 
     name: str
     prompts: tuple[str, ...]
@@ -63,7 +65,7 @@ def parse_jsonl(text: str, where: str) -> list[str]:
 
 
 def load_prompts(spec: str) -> PromptSet:
-    """``code``, ``chat`` (built in, unless a file of that name exists here) or a FILE."""
+    """A built-in set (``BUILTIN_SETS``, unless a file of that name exists here) or a FILE."""
     path = Path(spec).expanduser()
     if spec in BUILTIN_SETS and not path.exists():
         text = resources.files("mac_moesd").joinpath(f"data/prompts/{spec}.txt").read_text()

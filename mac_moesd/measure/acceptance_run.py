@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mac_moesd.analysis import acceptance
+from mac_moesd.measure.prompt_lookup import LookupRule
 from mac_moesd.measure.spec_loop import Decoder
 
 __all__ = ["NEAR_TIE", "greedy_check", "logit_margin", "measure_acceptance"]
@@ -73,18 +74,25 @@ def greedy_check(pairs, margin_of=None) -> dict:
 
 
 def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, temperature: float,
-                       new_tokens: int, seed: int = 0, rollback: str = "auto", vocab: int | None = None) -> dict:
+                       new_tokens: int, seed: int = 0, rollback: str = "auto", vocab: int | None = None,
+                       lookup: LookupRule | None = None) -> dict:
     """SD of ``new_tokens`` tokens after each prompt, every token among the first ``vocab`` ids
-    (``Decoder``); see the module docstring for what it holds."""
+    (``Decoder``); see the module docstring for what it holds. With ``lookup`` (``draft``
+    None), drafted by prompt lookup: its drafts have no distribution of their own, so at
+    temperature > 0 only the rule as run is recorded (under exact rejection sampling a
+    deterministic draft is accepted with the target's p(x), which is what mlx-lm's rule gives)."""
     mx.random.seed(seed)
     counts: list[int] = []
+    offered: list[int] | None = [] if lookup is not None else None
     rules = {rule: ([], []) for rule in acceptance.RULES}
     pairs, prompts = [], []
     for ids in prompt_ids:
-        decoder = Decoder(target, draft, mx.array([ids]), rollback=rollback, vocab=vocab)
-        out = decoder.speculative(new_tokens, gamma, "real", temperature=temperature, rules=True)
+        decoder = Decoder(target, draft, mx.array([ids]), rollback=rollback, vocab=vocab, lookup=lookup)
+        out = decoder.speculative(new_tokens, gamma, "real", temperature=temperature, rules=lookup is None)
         counts += out.per_round
-        if temperature > 0:
+        if offered is not None:
+            offered += out.proposed
+        if temperature > 0 and out.rule_probs is not None:
             for rule, (token_probs, position_probs) in out.rule_probs.items():
                 rules[rule][0].extend(token_probs)
                 rules[rule][1].extend(position_probs)
@@ -97,9 +105,11 @@ def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, t
         "gamma": gamma, "temperature": temperature, "prompts_measured": len(prompt_ids),
         "new_tokens": new_tokens,
         "rule_run": "mlx-lm" if temperature > 0 else "greedy",
-        "measured": acceptance.summarise_rounds(counts, gamma),
+        "measured": acceptance.summarise_rounds(counts, gamma, offered),
     }
-    if temperature > 0:
+    if offered is not None:
+        entry["proposal_rate"] = sum(1 for n in offered if n) / len(offered)
+    if temperature > 0 and lookup is None:
         expected = {rule: acceptance.expected_rounds(*map(np.array, lists))
                     for rule, lists in rules.items()}
         entry["rules"] = expected

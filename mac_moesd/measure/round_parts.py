@@ -40,7 +40,9 @@ from mac_moesd.measure.rolled_cache import RolledBackCache
 from mac_moesd.measure.rollback import Rollback
 from mac_moesd.measure.sweep import forward_point, pipelined_point, reject_point
 
-__all__ = ["RoundParts", "round_prediction"]
+__all__ = ["RoundParts", "VERIFY_AT", "lookup_prediction", "round_prediction"]
+
+VERIFY_AT = "verify_{}"  # the sample name of a verify of that many tokens (prompt lookup's widths)
 
 
 @dataclass
@@ -54,15 +56,21 @@ class RoundParts:
     rollback: str = "auto"  # rollback.STRATEGIES
     samples: dict[str, list[float]] = field(default_factory=dict)
 
-    def time(self, target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache,
+    def time(self, target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache | None,
              rng: random.Random) -> None:
         """One sample of every part, in shuffled order, on caches at the prompt's context (each
-        part rolls its cache back after itself)."""
+        part rolls its cache back after itself). ``draft`` None: prompt lookup, whose rounds
+        verify 1 to gamma+1 tokens (each width timed; ``VERIFY_AT``) and whose drafting is the
+        lookup's host time, timed inside the SD runs (``lookup_samples``)."""
         points = {
             "verify": forward_point(target, target_cache, self.batch, self.gamma + 1, self.vocab),
             "target_step": forward_point(target, target_cache, self.batch, 1, self.vocab),
-            "draft": pipelined_point(draft, draft_cache, self.batch, 1, self.vocab, steps=self.gamma),
         }
+        if draft is None:
+            points.update({VERIFY_AT.format(tokens): forward_point(target, target_cache, self.batch, tokens, self.vocab)
+                           for tokens in range(2, self.gamma + 1)})
+        else:
+            points["draft"] = pipelined_point(draft, draft_cache, self.batch, 1, self.vocab, steps=self.gamma)
         if self.with_reject:
             points["reject"] = reject_point(self.batch, self.gamma, self.vocab)
         timers = {name: (lambda point=point: timing.finite_time(point)) for name, point in points.items()}
@@ -77,35 +85,56 @@ class RoundParts:
     def medians(self) -> dict[str, float]:
         return {name: statistics.median(values) for name, values in self.samples.items()}
 
+    def lookup_samples(self, decodes) -> None:
+        """The drafting part of prompt-lookup rounds: each timed SD decode's lookup host seconds
+        per round (``Decoded.lookup_s`` over its rounds)."""
+        self.samples["draft"] = [d.lookup_s / len(d.widths) for d in decodes]
+
+    def verify_at(self, tokens: int) -> float:
+        """The median synchronous forward of ``tokens`` tokens per sequence (1 .. gamma+1)."""
+        medians = self.medians()
+        if tokens == 1:
+            return medians["target_step"]
+        return medians["verify" if tokens == self.gamma + 1 else VERIFY_AT.format(tokens)]
+
     def to_dict(self) -> dict:
-        return {"samples": len(next(iter(self.samples.values()), [])),
-                "median_s": self.medians()}
+        medians = self.medians()
+        return {"samples": len(self.samples.get("verify", [])),
+                "median_s": {k: v for k, v in medians.items() if not k.startswith("verify_")},
+                **({"verify_by_tokens": {k.removeprefix("verify_"): v for k, v in medians.items()
+                                         if k.startswith("verify_")}}
+                   if any(k.startswith("verify_") for k in medians) else {})}
 
 
-def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache, batch: int,
+def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache | None, batch: int,
                    gamma: int, vocab: int, strategy: str) -> Callable[[], float]:
     """One sample (seconds) of both models' rollback after a round that kept the pending token and
     half the drafts: the drafter's gamma steps and the target's verify run untimed before it, the
     rollback (and the re-forward it may build) until evaluated is timed, and the caches go back
-    to the prompt after it."""
+    to the prompt after it. ``draft`` None (prompt lookup): the target's alone."""
     kept = mx.random.randint(0, vocab, (batch, gamma // 2 + 1))
     verified = mx.concatenate([kept, mx.random.randint(0, vocab, (batch, gamma + 1 - kept.shape[1]))], axis=1)
-    rollbacks = (Rollback(target, target_cache.cache, strategy), Rollback(draft, draft_cache.cache, strategy))
+    models = [(target, target_cache, gamma + 1)] + ([] if draft is None else [(draft, draft_cache, gamma)])
+    rollbacks = [(Rollback(model, cache.cache, strategy), forwarded) for model, cache, forwarded in models]
+
+    def states() -> list:
+        return [cache.state() for _, cache, _ in models]
 
     def sample() -> float:
-        for rollback in rollbacks:
+        for rollback, _ in rollbacks:
             rollback.mark()
-        for position in range(gamma):
-            draft(verified[:, position : position + 1], cache=draft_cache.cache)
+        if draft is not None:
+            for position in range(gamma):
+                draft(verified[:, position : position + 1], cache=draft_cache.cache)
         target(verified, cache=target_cache.cache)
-        mx.eval(target_cache.state(), draft_cache.state())
+        mx.eval(states())
         start = time.perf_counter()
-        rollbacks[0].undo(gamma + 1, kept)
-        rollbacks[1].undo(gamma, kept)
-        mx.eval(target_cache.state(), draft_cache.state())
+        for rollback, forwarded in rollbacks:
+            rollback.undo(forwarded, kept)
+        mx.eval(states())
         elapsed = time.perf_counter() - start
-        target_cache.reset()
-        draft_cache.reset()
+        for _, cache, _ in models:
+            cache.reset()
         return elapsed
 
     return sample
@@ -125,3 +154,21 @@ def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, g
     return {"speedup": omega * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
             "draft_s": draft, "reject_s": reject, "rollback_s": rollback, "round_s": round_s,
             "hidden_s": hidden, "tokens_per_round": omega}
+
+
+def lookup_prediction(parts: RoundParts, plain_step: float, widths: list[int], tokens_per_round: float,
+                      rolled_back_share: float) -> dict:
+    """S(B) of prompt-lookup rounds from their timed parts, as ``round_prediction`` prices a
+    drafted round: the lookup's host time, the verify of each round's width (the pending token
+    and the batch's longest proposal, 1 to gamma+1 tokens, priced at the widths the run verified),
+    less what pipelining hides, and the rollback priced by the share of rounds that rolled back;
+    the tokens a round gives each sequence as the run measured them (no proposal: 1)."""
+    medians = parts.medians()
+    hidden = min(max(medians["target_step"] - plain_step, 0.0), medians["target_step"] / 2)
+    at_width = {w: parts.verify_at(w + 1) for w in set(widths)}
+    verify = max(statistics.mean(at_width[w] for w in widths) - hidden, 0.0)
+    draft, rollback = medians["draft"], medians.get("rollback", 0.0) * rolled_back_share
+    round_s = draft + verify + rollback
+    return {"speedup": tokens_per_round * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
+            "draft_s": draft, "reject_s": 0.0, "rollback_s": rollback, "round_s": round_s,
+            "hidden_s": hidden, "tokens_per_round": tokens_per_round}

@@ -50,7 +50,8 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, logit_margin, measure_acceptance
-from mac_moesd.measure.round_parts import RoundParts, round_prediction
+from mac_moesd.measure.prompt_lookup import DRAFTER_NAME as LOOKUP, LookupRule
+from mac_moesd.measure.round_parts import RoundParts, lookup_prediction, round_prediction
 from mac_moesd.measure.spec_audit import audit_configuration
 from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt, within
 from mac_moesd.measure.rolled_cache import PREFILL_CHUNK
@@ -63,6 +64,7 @@ RANDOM_IDS = "random token ids"
 LOOP = "mac-moesd loop"
 # Batch 1, real mode, where mlx-lm's SD would not roll these caches back correctly.
 LOOP_FOR_MLX_LM = "mac-moesd loop (mlx-lm cannot roll these caches back)"
+LOOP_FOR_LOOKUP = "mac-moesd loop (mlx-lm has no prompt lookup)"
 CANDIDATE_GAMMAS = tuple(range(1, 9))  # the draft lengths a recommendation is chosen from
 
 
@@ -86,8 +88,19 @@ class SpecConfig:
     max_prompts: int | None = None  # prompts of the set the acceptance pass decodes (None: all)
     rollback: str = "auto"  # rollback.STRATEGIES
     stop_when_decided: bool = False  # a quick run: stop once the CI settles "pays off" or not
+    lookup: LookupRule = LookupRule()  # the n-gram lengths of --draft prompt-lookup
+
+    @property
+    def drafter_kind(self) -> str:
+        """``model`` (a draft model), ``self`` (self-draft) or ``prompt-lookup``."""
+        if self.mode == "self-draft":
+            return "self"
+        return "prompt-lookup" if self.draft == LOOKUP else "model"
 
     def __post_init__(self):
+        if self.draft == LOOKUP and self.mode != "real":
+            raise BadInput("--draft prompt-lookup proposes real tokens from the context: it runs with "
+                           "--mode real only")
         if self.mode not in MODES:
             raise BadInput(f"--mode must be one of {', '.join(MODES)}")
         if any(not 0 < a < 1 for a in self.alphas):
@@ -266,9 +279,10 @@ class Decoders:
     one decoder for every pair) and reset to its prefill before each use."""
 
     def __init__(self, target, draft, batch: int, prompts: PromptIds, context: int,
-                 rng: np.random.Generator, vocab: int, random_tokens: bool = False, rollback: str = "auto"):
+                 rng: np.random.Generator, vocab: int, random_tokens: bool = False, rollback: str = "auto",
+                 lookup: LookupRule | None = None):
         self.target, self.draft, self.batch, self.prompts = target, draft, batch, prompts
-        self.rollback, self.vocab = rollback, vocab
+        self.rollback, self.vocab, self.lookup = rollback, vocab, lookup
         self.random_tokens = vocab if random_tokens else None
         self.random_prompt = (None if prompts.ids is not None
                               else mx.array(rng.integers(0, vocab, (batch, context + 1))))
@@ -282,7 +296,7 @@ class Decoders:
         if self.current is None or (self.prompts.ids is not None and index != self.index):
             self.current = None  # free the old caches before the new prefill
             self.current = Decoder(self.target, self.draft, self.prompt(index), self.random_tokens,
-                                   self.rollback, self.vocab)
+                                   self.rollback, self.vocab, self.lookup)
         else:
             self.current.reset()
         self.index = index
@@ -294,7 +308,10 @@ class Decoders:
 
     def mlx_lm_can_run(self, new_tokens: int, gamma: int) -> bool:
         """Whether mlx-lm's batch-1 SD rolls both models' caches back correctly over the longest
-        decode of these prompts (``rollback.mlx_lm_can_roll_back``)."""
+        decode of these prompts (``rollback.mlx_lm_can_roll_back``); never for prompt lookup,
+        which mlx-lm does not have."""
+        if self.lookup is not None:
+            return False
         longest = (self.random_prompt.shape[1] if self.prompts.ids is None
                    else max(map(len, self.prompts.ids)))
         self.prepare(0)
@@ -389,7 +406,8 @@ def estimate(cfg: SpecConfig, target, draft, context: int | None = None) -> dict
     """Peak memory of the run at its largest batch and gamma (``memory.spec_estimate``), at
     ``context`` prompt tokens (default ``cfg.context``)."""
     return memory.spec_estimate(target, draft, max(cfg.batches), max(cfg.gammas), context or cfg.context,
-                                cfg.new_tokens, PREFILL_CHUNK, cfg.mode == "real" and 1 in cfg.batches)
+                                cfg.new_tokens, PREFILL_CHUNK,
+                                cfg.drafter_kind == "model" and cfg.mode == "real" and 1 in cfg.batches)
 
 
 def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None = None,
@@ -400,7 +418,7 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
     from mac_moesd.inputs import models
 
     target_src = models.resolve(cfg.target)
-    draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
+    draft_src = None if cfg.drafter_kind != "model" else models.resolve(cfg.draft)
     full = int(target_src.config["num_hidden_layers"])
     draft_full = int(draft_src.config["num_hidden_layers"]) if draft_src else 0
     unit = zoo.slice_unit(target_src.config)
@@ -424,13 +442,14 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
         layers = smaller
 
 
-def acceptance_fields(per_round: list[int], gamma: int) -> dict:
+def acceptance_fields(per_round: list[int], gamma: int, proposed: list[int] | None = None) -> dict:
     """The acceptance a timed run measured (mean accepted length, sigma, per-position rates and
-    the alpha solved from the mean, never accepted/drafted), or Nones without a full round."""
+    the alpha solved from the mean, never accepted/drafted), or Nones without a full round;
+    ``proposed``: the draft tokens each round offered, where that varies (prompt lookup)."""
     if not per_round:
         return {"measured_alpha": None, "mean_accepted": None, "sigma": None,
                 "acceptance_by_position": None, "rounds": 0}
-    measured = acceptance.summarise_rounds(per_round, gamma)
+    measured = acceptance.summarise_rounds(per_round, gamma, proposed)
     return {"measured_alpha": measured["alpha"], "mean_accepted": measured["mean_accepted"],
             "sigma": measured["sigma"], "acceptance_by_position": measured["acceptance_by_position"],
             "rounds": measured["rounds"]}
@@ -470,6 +489,12 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
                 if realised is not None and parts.samples else None)
     model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding)
              if predictor and realised is not None else None)
+    return _prediction_record(run, parts, measured, model, sweep_step)
+
+
+def _prediction_record(run: dict, parts: RoundParts, measured: dict | None, model: float | None,
+                       sweep_step) -> dict:
+    """``predictions``' fields from the timed parts' account of the round and the model's S."""
     by = {"measured": measured["speedup"] if measured else None, "model": model}
     swept = sweep_step(run["batch"]) if sweep_step else None
     return {"predicted_speedup": by["measured"] if by["measured"] is not None else model,
@@ -477,6 +502,33 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
             "predicted_by": by,
             "round": measured and {**parts.to_dict(), **measured, "measured_s": measured_round_s(run)},
             "plain_vs_sweep": run["plain_step_s"] / swept if swept else None}
+
+
+def lookup_record(rule: LookupRule, decodes: list[Decoded]) -> dict:
+    """What prompt lookup proposed over a run's timed SD decodes: the n-gram lengths, the share of
+    (sequence, round)s with a proposal, the mean proposal where there was one, the mean verify
+    width (the batch's longest proposal) and the share of rounds that rolled back."""
+    proposed = np.array([n for d in decodes for n in d.proposed])
+    widths = [w for d in decodes for w in d.widths]
+    return {**rule.to_dict(), "proposal_rate": float((proposed > 0).mean()),
+            "mean_proposal": float(proposed[proposed > 0].mean()) if (proposed > 0).any() else 0.0,
+            "mean_width": float(np.mean(widths)),
+            "rolled_back_share": sum(d.rounds_rolled_back for d in decodes) / len(widths)}
+
+
+def lookup_predictions(run: dict, parts: RoundParts, decodes: list[Decoded], predictor, sweep_step,
+                       decoding: float) -> dict:
+    """``predictions`` for prompt-lookup rounds (``round_parts.lookup_prediction``), at the
+    tokens per round, verify widths and rollbacks the run measured; the fitted model's from
+    its T_T at each width with the lookup's timed host cost (``fit.lookup_predictor``)."""
+    widths = [w for d in decodes for w in d.widths]
+    tokens_per_round = run["mean_accepted"] + 1
+    parts.lookup_samples(decodes)
+    rolled = run["lookup"]["rolled_back_share"]
+    measured = lookup_prediction(parts, run["plain_step_s"], widths, tokens_per_round, rolled)
+    model = (predictor(run["batch"], widths, tokens_per_round, measured["draft_s"], rolled, decoding)
+             if predictor else None)
+    return _prediction_record(run, parts, measured, model, sweep_step)
 
 
 def measured_round_s(run: dict) -> float | None:
@@ -492,7 +544,7 @@ def recommendations(cfg: SpecConfig, predictor, context: int, partial: dict) -> 
     recommend: the best gamma by ``predictor`` at each imposed alpha (emulated acceptance), or at
     each acceptance the pass measured on the prompt set as the verdict pools it (``partial``: the
     document's acceptance so far), at the document's context. Empty without a predictor."""
-    if predictor is None or cfg.mode == "self-draft":
+    if predictor is None or cfg.drafter_kind != "model":
         return set()
     if cfg.mode == "emulated-acceptance":
         targets = [(t, a, a) for t in cfg.temperatures for a in cfg.alphas]
@@ -520,7 +572,8 @@ class ConfigurationTimer:
 
     def decoders(self, batch: int) -> Decoders:
         return Decoders(self.target, self.draft, batch, self.inputs, self.cfg.context, self.rng, self.vocab,
-                        random_tokens=self.cfg.mode == "emulated-acceptance", rollback=self.cfg.rollback)
+                        random_tokens=self.cfg.mode == "emulated-acceptance", rollback=self.cfg.rollback,
+                        lookup=self.cfg.lookup if self.cfg.drafter_kind == "prompt-lookup" else None)
 
     def grid(self, configurations: list[tuple]) -> list[dict]:
         """Every (batch, temperature, alpha, gamma) in order, one batch's decoders alive at a time."""
@@ -545,18 +598,25 @@ class ConfigurationTimer:
         else:
             row, plain_out, spec_out = loop_run(decoders, cfg, gamma, alpha, temperature, self.rng, parts)
             if batch == 1 and cfg.mode == "real":
-                row["engine"] = LOOP_FOR_MLX_LM
-        measured = acceptance_fields([n for d in spec_out for n in d.per_round], gamma)
+                row["engine"] = LOOP_FOR_LOOKUP if decoders.lookup else LOOP_FOR_MLX_LM
+        lookup = decoders.lookup is not None
+        measured = acceptance_fields([n for d in spec_out for n in d.per_round], gamma,
+                                     [n for d in spec_out for n in d.proposed] if lookup else None)
         effective = alpha if alpha is not None else measured["measured_alpha"]
         # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
         decoding = decoding_context(row["context"], cfg.new_tokens)
         realised = run_alpha({"alpha": effective, **measured})
         run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
-               "prompts": self.inputs.name, "temperature": temperature, **measured, "repeats": cfg.repeats,
+               "drafter_kind": cfg.drafter_kind, "prompts": self.inputs.name, "temperature": temperature,
+               **measured, "repeats": cfg.repeats,
                "asked": gamma in cfg.gammas,  # else timed because the fit recommends it
                **row}
-        run.update(predictions(run, parts, self.predictor, self.sweep_step, realised, decoding,
-                               cfg.mode == "self-draft"))
+        if lookup:
+            run["lookup"] = lookup_record(cfg.lookup, spec_out)
+            run.update(lookup_predictions(run, parts, spec_out, self.predictor, self.sweep_step, decoding))
+        else:
+            run.update(predictions(run, parts, self.predictor, self.sweep_step, realised, decoding,
+                                   cfg.mode == "self-draft"))
         if temperature == 0 and cfg.mode != "emulated-acceptance":
             run["greedy_check"] = greedy_check([(s.outputs, p.outputs) for s, p in zip(spec_out, plain_out)],
                                                decoders.greedy_margin(plain_out))
@@ -566,7 +626,7 @@ class ConfigurationTimer:
         run["rollback"] = audit_configuration(decoders, decode, exact=not mlx_lm)
         run["valid"] = run["rollback"]["audit"]["ok"] and run.get("greedy_check", {}).get("valid", True)
         entry = self.accepted_on_set.get((gamma, temperature))
-        if entry is not None and temperature > 0:
+        if entry is not None and temperature > 0 and "rules" in entry:
             run["rules"] = rules_worth(entry, run, self.predictor, batch, decoding)
         return run
 
@@ -600,8 +660,9 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes)
     if target.layers < target.layers_full:
         predictor = None  # the fit predicts the full model, not a slice
-    accepted_on_set = acceptance_pass(cfg, target.model, draft.model, inputs, vocab)
-    timer = ConfigurationTimer(cfg, target.model, draft.model, inputs, vocab, rng, predictor, sweep_step,
+    draft_model = None if draft is None else draft.model  # None: prompt lookup
+    accepted_on_set = acceptance_pass(cfg, target.model, draft_model, inputs, vocab)
+    timer = ConfigurationTimer(cfg, target.model, draft_model, inputs, vocab, rng, predictor, sweep_step,
                                accepted_on_set)
     alphas = cfg.alphas if cfg.mode == "emulated-acceptance" else (None,)
     runs = timer.grid([(b, t, a, g) for b in cfg.batches for t in cfg.temperatures for a in alphas
@@ -616,7 +677,10 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         run["recommended"] = any(_is(run, w) for w in wanted)
     document = {
         "target": target.source.name,
-        "draft": draft.source.name,  # the resolved name (a folder's, not the path given), as keys use it
+        # The resolved name (a folder's, not the path given), as keys use it; or the kind's name.
+        "draft": LOOKUP if draft is None else draft.source.name,
+        "drafter_kind": cfg.drafter_kind,
+        **({"lookup": cfg.lookup.to_dict()} if draft is None else {}),
         # With prompts, the prompt tokens prefilled, averaged over the runs (each run has its own).
         "context": context,
         "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
@@ -628,7 +692,8 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         "runs": runs,
         "acceptance": list(accepted_on_set.values()),
         "layers": {"target": target.layers, "target_full": target.layers_full,
-                   "draft": draft.layers, "draft_full": draft.layers_full,
+                   "draft": None if draft is None else draft.layers,
+                   "draft_full": None if draft is None else draft.layers_full,
                    "sliced": target.layers < target.layers_full},
         "memory": memory.record(need, available_bytes),
     }
@@ -666,8 +731,11 @@ def prepare_models(cfg: SpecConfig, available_bytes: int | None):
     from mac_moesd.inputs import models
 
     target_src = models.resolve(cfg.target)
-    draft_src = None if cfg.mode == "self-draft" else models.resolve(cfg.draft)
+    draft_src = None if cfg.drafter_kind != "model" else models.resolve(cfg.draft)
     inputs = prompt_ids(cfg, target_src, draft_src)
+    if cfg.drafter_kind == "prompt-lookup" and inputs.ids is None:
+        raise BadInput(f"--draft prompt-lookup needs real text: {target_src.name} decodes random token "
+                       "ids here, whose repeats say nothing about a real context's")
     longest = max(map(len, inputs.ids)) if inputs.ids else None
     target, draft, need = plan_models(cfg, available_bytes, context=longest)
     if target.layers < target.layers_full and inputs.ids is not None and cfg.mode == "real":
@@ -677,6 +745,8 @@ def prepare_models(cfg: SpecConfig, available_bytes: int | None):
             "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
     memory.start_stage()
     target.materialise()
+    if cfg.drafter_kind == "prompt-lookup":
+        return target, None, inputs, need, target.config["vocab_size"]
     if cfg.mode == "self-draft":
         draft = target
     else:
@@ -696,6 +766,7 @@ def acceptance_pass(cfg: SpecConfig, target, draft, inputs: PromptIds, vocab: in
     if cfg.mode != "real" or inputs.ids is None:
         return {}
     prompts = inputs.ids[: cfg.max_prompts]
+    lookup = cfg.lookup if cfg.drafter_kind == "prompt-lookup" else None
     return {(gamma, temperature): measure_acceptance(target, draft, prompts, gamma, temperature,
-                                                     cfg.new_tokens, cfg.seed, cfg.rollback, vocab)
+                                                     cfg.new_tokens, cfg.seed, cfg.rollback, vocab, lookup)
             for temperature in cfg.temperatures for gamma in cfg.gammas}

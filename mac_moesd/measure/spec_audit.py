@@ -40,33 +40,37 @@ def _audit(model, caches, prompt: mx.array, emitted: mx.array, exact: bool) -> d
     return audit_caches(model, caches, prompt, emitted, held)
 
 
-def _merged(target: dict, draft: dict) -> dict:
-    """One audit of both models: ok when both are, the larger difference, the first reason."""
-    diffs = [a["max_abs_diff"] for a in (target, draft) if a["max_abs_diff"] is not None]
-    out = {"ok": target["ok"] and draft["ok"],
-           "max_abs_diff": max(diffs) if len(diffs) == 2 else None,
-           "tolerance": max(a["tolerance"] or 0.0 for a in (target, draft)) or None}
-    reasons = [f"{who}: {a['reason']}" for who, a in (("target", target), ("drafter", draft)) if "reason" in a]
+def _merged(audits: dict[str, dict]) -> dict:
+    """One audit of the models (``{"target": ..., "drafter": ...}``): ok when all are, the largest
+    difference, the first reason."""
+    diffs = [a["max_abs_diff"] for a in audits.values() if a["max_abs_diff"] is not None]
+    out = {"ok": all(a["ok"] for a in audits.values()),
+           "max_abs_diff": max(diffs) if len(diffs) == len(audits) else None,
+           "tolerance": max(a["tolerance"] or 0.0 for a in audits.values()) or None}
+    reasons = [f"{who}: {a['reason']}" for who, a in audits.items() if "reason" in a]
     if reasons:
         out["reason"] = reasons[0]
     return out
 
 
 def audit_configuration(decoders, decode: Callable, exact: bool = True) -> dict:
-    """Decode once on pair 0's prompt with ``decode(decoder)`` (a ``Decoded``), then audit both
-    models' caches; ``decoders`` is the configuration's ``spec.Decoders``."""
+    """Decode once on pair 0's prompt with ``decode(decoder)`` (a ``Decoded``), then audit the
+    models' caches (the target's alone where prompt lookup drafts); ``decoders`` is the
+    configuration's ``spec.Decoders``."""
     decoders.prepare(0)
     d = decoders.current
-    before = {who: dict(r.applied) for who, r in (("target", d.target_rollback), ("draft", d.draft_rollback))}
+    models = {"target": (d.target, d.target_cache, d.target_rollback)}
+    if d.draft is not None:
+        models["draft"] = (d.draft, d.draft_cache, d.draft_rollback)
+    before = {who: dict(r.applied) for who, (_, _, r) in models.items()}
     out = decode(d)
-    rounds = {who: {k: r.applied[k] - before[who][k] for k in APPLIED}
-              for who, r in (("target", d.target_rollback), ("draft", d.draft_rollback))}
+    rounds = {who: {k: r.applied[k] - before[who][k] for k in APPLIED} for who, (_, _, r) in models.items()}
     emitted = mx.array(out.outputs)
-    audits = [_audit(model, caches, d.prompt, emitted, exact)
-              for model, caches in ((d.target, d.target_cache), (d.draft, d.draft_cache))]
+    audits = {"drafter" if who == "draft" else who: _audit(model, caches, d.prompt, emitted, exact)
+              for who, (model, caches, _) in models.items()}
     used = [name for name in APPLIED if any(r[name] for r in rounds.values())]
+    kinds = set(cache_kinds(d.target_cache)) | set(cache_kinds(d.draft_cache))
     record = {"strategy": used[-1] if used else "none", "requested": decoders.rollback,
-              "cache_kinds": sorted(set(cache_kinds(d.target_cache)) | set(cache_kinds(d.draft_cache))),
-              "rounds": rounds, "audit": _merged(*audits)}
+              "cache_kinds": sorted(kinds), "rounds": rounds, "audit": _merged(audits)}
     decoders.prepare(None)
     return record

@@ -22,11 +22,13 @@ continuation for every sequence, so at temperature 0 it must equal plain greedy 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 from mac_moesd.measure import timing
+from mac_moesd.measure.prompt_lookup import LookupRule, PromptLookup
 from mac_moesd.measure.rollback import Rollback
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 from mac_moesd.measure.rolled_cache import RolledBackCache
@@ -45,6 +47,13 @@ class Decoded:
     per_round: list[int] = field(default_factory=list)
     outputs: np.ndarray | None = None  # (batch, emitted)
     rule_probs: dict[str, tuple[list, list]] | None = None  # rule -> (token_probs, position_probs)
+    # Prompt lookup: draft tokens each sequence was offered in each round (as ``per_round``),
+    # each round's verify width (its longest proposal), the host seconds its lookups took, and
+    # the rounds that rolled back.
+    proposed: list[int] | None = None
+    widths: list[int] | None = None
+    lookup_s: float = 0.0
+    rounds_rolled_back: int = 0
 
 
 def common_prompt(prompts: list[list[int]]) -> mx.array:
@@ -77,7 +86,7 @@ class Decoder:
     (a drafter padded wider than its target, or the reverse, is common)."""
 
     def __init__(self, target, draft, prompt: mx.array, random_tokens: int | None = None,
-                 rollback: str = "auto", vocab: int | None = None):
+                 rollback: str = "auto", vocab: int | None = None, lookup: LookupRule | None = None):
         self.target, self.draft = target, draft
         self.random_tokens, self.vocab = random_tokens, vocab
         self.prompt = prompt
@@ -85,16 +94,22 @@ class Decoder:
         self.context = length - 1
         held = prompt[:, :-1]
         self.target_rolled = RolledBackCache(target, self.batch, self.context, 0, held)
-        self.draft_rolled = RolledBackCache(draft, self.batch, self.context, 0, held)
-        self.target_cache, self.draft_cache = self.target_rolled.cache, self.draft_rolled.cache
+        self.target_cache = self.target_rolled.cache
         self.target_rollback = Rollback(target, self.target_cache, rollback)
-        self.draft_rollback = Rollback(draft, self.draft_cache, rollback)
+        # A drafter model has caches of its own; prompt lookup (``draft`` None) only contexts.
+        self.lookup = None if lookup is None else PromptLookup(np.array(prompt), lookup)
+        self.draft_rolled = None if draft is None else RolledBackCache(draft, self.batch, self.context, 0, held)
+        self.draft_cache = [] if draft is None else self.draft_rolled.cache
+        self.draft_rollback = None if draft is None else Rollback(draft, self.draft_cache, rollback)
         self.pending = prompt[:, -1:]
 
     def reset(self) -> None:
         """Back to the prefilled prompt (between timed runs)."""
         self.target_rolled.reset()
-        self.draft_rolled.reset()
+        if self.draft_rolled is not None:
+            self.draft_rolled.reset()
+        if self.lookup is not None:
+            self.lookup.reset()
 
     def plain(self, steps: int, temperature: float = 0.0) -> Decoded:
         """One-token steps of the target alone, each next step built while the current one
@@ -114,7 +129,10 @@ class Decoder:
                     temperature: float = 0.0, rules: bool = False,
                     rng: np.random.Generator | None = None) -> Decoded:
         """Rounds until every sequence has ``new_tokens``. ``rules`` (temperature > 0, ``real``)
-        also records each acceptance rule's probabilities; ``rng`` draws emulated acceptance."""
+        also records each acceptance rule's probabilities; ``rng`` draws emulated acceptance.
+        With prompt lookup, ``lookup_rounds``."""
+        if self.lookup is not None:
+            return self.lookup_rounds(new_tokens, gamma, temperature)
         produced = np.zeros(self.batch, dtype=int)
         per_round: list[int] = []
         emitted: list[mx.array] = []
@@ -174,6 +192,46 @@ class Decoder:
         outputs = np.array(mx.concatenate(emitted, axis=1))
         mx.eval([c.state for c in self.draft_cache])
         return Decoded(int(produced.sum()), per_round, outputs, probs)
+
+
+    def lookup_rounds(self, new_tokens: int, gamma: int, temperature: float = 0.0) -> Decoded:
+        """Rounds drafted by prompt lookup: each sequence's proposal (up to gamma tokens, perhaps
+        none), one verify of the pending token and the batch's longest proposal (shorter ones
+        padded, their padding never accepted; no proposal anywhere: a one-token step), tokens
+        accepted as in ``real`` mode, and the batch rolled back to its shortest accepted prefix."""
+        produced = np.zeros(self.batch, dtype=int)
+        per_round, proposed, widths, emitted = [], [], [], []
+        lookup_s, rolled_back = 0.0, 0
+        y = self.pending
+        while produced.min() < new_tokens:
+            start = time.perf_counter()
+            proposals = self.lookup.propose(gamma)
+            lookup_s += time.perf_counter() - start
+            lengths = np.array([p.size for p in proposals])
+            width = int(lengths.max())
+            padded = np.zeros((self.batch, width), dtype=np.int64)
+            for row, p in enumerate(proposals):
+                padded[row, : p.size] = p
+            drafts_arr = mx.array(padded, dtype=y.dtype)
+            self.target_rollback.mark()
+            verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
+            chosen = self.emit(verify, temperature)  # (B, width+1)
+            mx.eval(chosen)
+            offered = np.arange(width) < lengths[:, None]
+            accepted = np.cumprod((np.array(chosen[:, :width]) == padded) & offered, axis=1).sum(axis=1)
+            shared = int(accepted.min())
+            kept = mx.concatenate([y, drafts_arr[:, :shared]], axis=1)
+            rolled_back += self.target_rollback.undo(width + 1, kept) != "none"
+            produced += accepted + 1
+            per_round += [int(a) for a in accepted]
+            proposed += [int(n) for n in lengths]
+            widths.append(width)
+            y = chosen[:, shared : shared + 1]
+            emitted += [drafts_arr[:, :shared], y]
+            self.lookup.extend(np.concatenate([padded[:, :shared], np.array(y)], axis=1))
+        outputs = np.array(mx.concatenate(emitted, axis=1))
+        return Decoded(int(produced.sum()), per_round, outputs, proposed=proposed, widths=widths,
+                       lookup_s=lookup_s, rounds_rolled_back=int(rolled_back))
 
 
 def _rule_probabilities(target_logits: mx.array, draft_logits: mx.array, drafts: mx.array,

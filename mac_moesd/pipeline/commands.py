@@ -170,13 +170,20 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
             WriterLock.release(lock)
 
 
-def stored_predictor(store: ResultsStore, target: str, warn: Warn):
-    """The speedup predictor of the fit of ``target`` in ``store`` (None, with a warning saying
-    what to run, when there is none or it cannot predict)."""
+def stored_predictor(store: ResultsStore, target: str, warn: Warn, drafter_kind: str = "model"):
+    """The speedup predictor of the fit of ``target`` in ``store`` for a drafter of that kind
+    (prompt lookup needs no drafter in the fit: ``fit.lookup_predictor``); None, with a warning
+    saying what to run, when there is none or it cannot predict."""
     fitted = store.data.get("fits", {}).get(models.resolve(target).name)
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
         return None
+    if drafter_kind == "prompt-lookup":
+        predictor = fit.lookup_predictor(fitted)
+        if predictor is None:
+            warn(f"the fit of {target} in {store.path} was made before the expert-load variants: rerun "
+                 "`mac-moesd fit` for predicted speedups")
+        return predictor
     predictor = fit.speedup_predictor(fitted)
     if predictor is None:
         warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
@@ -188,7 +195,7 @@ def run_spec(cfg: spec.SpecConfig, memory_limit: float | None, out: Path | None,
     """`mac-moesd spec`: measured SD beside the stored fit's prediction."""
     usable = usable_memory(memory_limit)
     machine, meta, store = open_store(out, warn)
-    predictor = stored_predictor(store, cfg.target, warn)
+    predictor = stored_predictor(store, cfg.target, warn, cfg.drafter_kind)
     with hardware.measuring_stage():
         document = spec.run_spec(cfg, predictor, usable.usable_bytes,
                                  fit.sweep_plain_step(store.data, models.resolve(cfg.target).name))

@@ -294,6 +294,11 @@ def _num(v: float | None, fmt: str = ".4g") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def by_position(rates: list[float | None]) -> str:
+    """Acceptance by draft position, "-" where no round offered that position (prompt lookup)."""
+    return " ".join(_num(v, ".2f") for v in rates)
+
+
 def pipelining_lines(pipe: dict | None) -> list[str]:
     """One sentence on what pipelining hides per forward, when the sweep measured it."""
     if not pipe or not pipe.get("target_points"):
@@ -502,6 +507,23 @@ def invalid_lines(doc: dict) -> list[str]:
     return lines
 
 
+def lookup_lines(doc: dict) -> list[str]:
+    """What prompt lookup proposed in each timed run of a spec document (none for other drafters)."""
+    if doc.get("drafter_kind") != "prompt-lookup":
+        return []
+    rule = doc.get("lookup") or {}
+    lines = [f"prompt lookup: the context's last {rule.get('max_ngram')} down to {rule.get('min_ngram')} tokens "
+             "searched for, up to gamma tokens proposed; the batch's rows verify together (the longest "
+             "proposal; rows roll back to the shortest accepted prefix, each credited its own tokens)"]
+    for r in doc["runs"]:
+        lk = r.get("lookup")
+        if lk:
+            lines.append(f"  B={r['batch']} gamma={r['gamma']}: a proposal in {lk['proposal_rate']:.0%} of "
+                         f"rounds, {lk['mean_proposal']:.1f} tokens each; rounds verified "
+                         f"{lk['mean_width']:.1f} drafts on average; {lk['rolled_back_share']:.0%} rolled back")
+    return lines
+
+
 def render_spec(doc: dict) -> str:
     rows = []
     many_temperatures = len(doc.get("temperatures", [0])) > 1 or doc.get("temperatures", [0]) != [0]
@@ -524,6 +546,7 @@ def render_spec(doc: dict) -> str:
     lines = [head, table(["B", *(["temp"] if many_temperatures else []), "gamma", "verify tokens",
                           "alpha", "accepted/round", "mode", "plain tok/s", "SD tok/s", "measured S (range)",
                           "predicted S", "pred/meas", "rollback"], rows)]
+    lines += lookup_lines(doc)
     lines += invalid_lines(doc)
     checks = [r["greedy_check"] for r in doc["runs"] if "greedy_check" in r]
     checks += [a["greedy_check"] for a in doc.get("acceptance", []) if "greedy_check" in a]
@@ -543,7 +566,7 @@ def render_spec(doc: dict) -> str:
             shown += [(rule, "expected from p, q", stats) for rule, stats in a.get("rules", {}).items()]
             for rule, how, stats in shown:
                 acc_rows.append([f"{a['temperature']:g}", str(a["gamma"]), rule, how,
-                                 " ".join(f"{v:.2f}" for v in stats["acceptance_by_position"]),
+                                 by_position(stats["acceptance_by_position"]),
                                  f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}",
                                  f"{stats['alpha']:.2f}"])
         lines.append(table(["temp", "gamma", "rule", "how", "accepted by position", "accepted/round",

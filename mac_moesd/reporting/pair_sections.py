@@ -10,8 +10,9 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import spec_runs, theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.measure.routing import prompts_label
-from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, measured_speedup, plain_vs_sweep,
-                                             precision_note, predicted_cells, rollback_cell, round_cell)
+from mac_moesd.reporting.formatting import (ROUND_HEADER, by_position, invalid_lines, measured_speedup,
+                                             plain_vs_sweep, precision_note, predicted_cells, rollback_cell,
+                                             round_cell)
 from mac_moesd.units import human_bytes
 
 __all__ = ["first_lines", "pair_blocks"]
@@ -262,7 +263,7 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
                 rows.append([prompt_set, f"{a['temperature']:g}", str(a["gamma"]), rule,
                              "expected from p, q" if "rules" in a else "measured",
                              str(stats["rounds"]),
-                             " ".join(f"{v:.2f}" for v in stats["acceptance_by_position"]),
+                             by_position(stats["acceptance_by_position"]),
                              f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}", f"{stats['alpha']:.2f}"])
             if "rules" in a:
                 notes.append(f"{prompt_set}, temperature {a['temperature']:g}, gamma {a['gamma']}: exact "

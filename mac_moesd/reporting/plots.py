@@ -215,7 +215,7 @@ def acceptance(d: Digest, folder: Path) -> Path | None:
             for a in (a for a in entries if a["gamma"] == widest):
                 for rule, stats in (a.get("rules") or {a["rule_run"]: a["measured"]}).items():
                     curves.append((f"{prompt_set}, T={a['temperature']:g}, {rule}",
-                                   stats["acceptance_by_position"]))
+                                   [np.nan if v is None else v for v in stats["acceptance_by_position"]]))
     if not curves:
         return None
     with plt.rc_context(STYLE):

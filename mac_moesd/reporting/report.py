@@ -20,7 +20,7 @@ from mac_moesd.reporting.serving_section import draw as draw_serving, serving_bl
 from mac_moesd.analysis import expert_reads, spec_runs, theory, verdict
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.results import parse_point_key
-from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, measured_speedup, plain_vs_sweep,
+from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, lookup_lines, measured_speedup, plain_vs_sweep,
                                              precision_note, predicted_cells, kv_lines, one_row_lines,
                                              pipelining_lines, rollback_cell, roofline_shrunk_line, round_cell,
                                              routing_sentence, seconds, throttled_lines)
@@ -441,6 +441,9 @@ def _spec(d: Digest) -> list:
         blocks.append(("table", ["B", "gamma", "verify tokens", "alpha", "mode", "plain tok/s", "SD tok/s",
                                  "measured S", "predicted (timed parts)", "error", "predicted (fit)", "error",
                                  "plain vs sweep", ROUND_HEADER, "rollback"], rows))
+        lookup = lookup_lines(s)
+        if lookup:
+            blocks += [("p", lookup[0] + "."), ("list", [line.strip() for line in lookup[1:]])]
         blocks += [("p", f"**{line}**") for line in invalid_lines(s)]
     return blocks
 

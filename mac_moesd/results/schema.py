@@ -562,8 +562,8 @@ class PromptsUsed(TypedDict, total=False):
 class SpecLayers(TypedDict, total=False):
     target: int
     target_full: int
-    draft: int
-    draft_full: int
+    draft: int | None  # null: prompt lookup, no drafter model
+    draft_full: int | None
     sliced: bool
 
 
@@ -573,6 +573,19 @@ class RoundMedians(TypedDict, total=False):
     draft: float
     reject: float
     rollback: float  # one rejected round's rollback, both models
+
+
+class LookupRule(TypedDict, total=False):
+    max_ngram: int
+    min_ngram: int
+
+
+class LookupRecord(LookupRule, total=False):
+    """What prompt lookup proposed over a run's timed SD decodes."""
+    proposal_rate: float  # share of (sequence, round)s with a proposal
+    mean_proposal: float  # draft tokens of a proposal, where there was one
+    mean_width: float  # draft tokens a round verified (the batch's longest proposal)
+    rolled_back_share: float  # share of rounds that rolled back
 
 
 class RoundAccount(TypedDict, total=False):
@@ -589,6 +602,7 @@ class RoundAccount(TypedDict, total=False):
     measured_s: float  # mean tokens per round over one sequence's SD tokens/s: what round_s prices
     hidden_s: float
     tokens_per_round: float
+    verify_by_tokens: dict[str, float]  # prompt lookup: the verify at each width timed, by tokens
 
 
 class PredictedBy(TypedDict, total=False):
@@ -641,13 +655,15 @@ class SpecRun(TypedDict, total=False):
     gamma: int
     alpha: float | None  # imposed, or solved
     mode: str
+    drafter_kind: str  # model, self, prompt-lookup
+    lookup: LookupRecord
     prompts: str
     temperature: float
     measured_acceptance: float  # files of docs/design.md §8 stage 1, before measured_alpha
     measured_alpha: float | None
     mean_accepted: float
     sigma: float | None
-    acceptance_by_position: list[float]
+    acceptance_by_position: list[float | None]  # null: no round offered that position (prompt lookup)
     rounds: int
     predicted_speedup: float | None
     predicted_from: str | None  # measured, model
@@ -682,7 +698,7 @@ class MeasuredAcceptance(TypedDict, total=False):
     rounds: int
     mean_accepted: float
     sigma: float | None
-    acceptance_by_position: list[float]
+    acceptance_by_position: list[float | None]
     alpha: float | None
 
 
@@ -694,6 +710,7 @@ class AcceptanceEntry(TypedDict, total=False):
     new_tokens: int
     rule_run: str  # greedy or mlx-lm
     measured: MeasuredAcceptance
+    proposal_rate: float  # prompt lookup: share of rounds with a proposal
     greedy_check: GreedyCheck
     rules: dict[str, MeasuredAcceptance]  # mlx-lm, rejection
     rejection_over_mlx_lm: float | None
@@ -702,7 +719,9 @@ class AcceptanceEntry(TypedDict, total=False):
 class SpecDocument(TypedDict, total=False):
     """A ``spec`` document, keyed ``<target>|<draft>|<mode>[|<prompt set>]``."""
     target: str
-    draft: str
+    draft: str  # the drafter's resolved name, or prompt-lookup
+    drafter_kind: str  # model, self, prompt-lookup
+    lookup: LookupRule
     context: float
     new_tokens: int
     verify_tokens: str  # gamma+1

@@ -18,8 +18,8 @@ from mac_moesd.analysis.fit.solve import regime
 from mac_moesd.analysis.spec_runs import decoding_context, run_alpha
 from mac_moesd.results import point_key
 
-__all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "run_alpha", "run_context",
-           "run_prediction", "speedup_predictor", "sweep_plain_step"]
+__all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "lookup_predictor", "run_alpha",
+           "run_context", "run_prediction", "speedup_predictor", "sweep_plain_step"]
 
 
 def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
@@ -156,3 +156,13 @@ def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):
         return float(model.speedup(batch, gamma, alpha, context, verify, self_draft)[()])
 
     return predict_one
+
+
+def lookup_predictor(fit_doc: dict):
+    """A function (batch, widths, tokens_per_round, lookup_s, rolled_back_share, context) ->
+    predicted S of prompt-lookup rounds (``FittedModel.lookup_speedup``) from a stored fit's
+    chosen variant, which needs no drafter; None for a fit made before the expert-load variants."""
+    if "chosen" not in fit_doc:
+        return None
+    model = FittedModel.from_document(fit_doc)
+    return model.lookup_speedup

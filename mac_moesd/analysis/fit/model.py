@@ -80,6 +80,19 @@ class FittedModel:
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm)
         return theory.speedup(sigma, gamma, plain, verify_t, draft, reject + rollback)
 
+    def lookup_speedup(self, batch: int, widths, tokens_per_round: float, lookup_s: float,
+                       rolled_back_share: float, context: float) -> float:
+        """S(B) of prompt-lookup rounds as a run measured them: ``widths`` the draft tokens each
+        round verified (its batch's longest proposal; 0: a one-token step), ``tokens_per_round``
+        each sequence's mean, ``lookup_s`` the lookup's host seconds a round, and the share of
+        rounds that rolled back (a re-forward of about the tokens a round keeps, where the target
+        re-forwards). The target's steps priced as ``speedup`` prices a drafted round's."""
+        plain = float(self.target(batch, 1, context, pipelined=True))
+        verify = float(np.mean(self.target(batch, np.asarray(widths) + 1, context, pipelined=True)))
+        rollback = (rolled_back_share * float(self.target(batch, tokens_per_round, context))
+                    if "target" in self.reforward else 0.0)
+        return tokens_per_round * plain / (lookup_s + verify + rollback)
+
     def rollback_time(self, batch, gamma: int, alpha: float, context: int, self_draft: bool = False,
                       comm: bool = True) -> np.ndarray:
         """A round's rollback, averaged over rounds: where a model re-forwards (``reforward``), the
