@@ -331,7 +331,9 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
 @click.option("--target", default=None,
               help="Your own MoE model (a folder in mlx-lm's format, or a Hugging Face repo id already "
                    "in the local cache), measured with its weights as stored; needs --draft.")
-@click.option("--draft", default=None, help="The drafter for --target (same tokenizer).")
+@click.option("--draft", default=None,
+              help="The drafter for --target: a model (same tokenizer), prompt-lookup (n-gram drafting, "
+                   "no model), or both comma-separated, each measured on the same prompts.")
 @click.option("--prompts", "prompt_sets", default=None,
               help="With --target (or a cached pair): comma-separated prompt sets for SD and routing: "
                    "code, chat, edit, quote, or a FILE (blank-line-separated prompts, or JSONL with a 'prompt' "

@@ -159,4 +159,5 @@ def run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, 
         raise click.UsageError("--ranks plans a cluster with --dry-run; measure one with "
                                "`mlx.launch -n N -- mac-moesd sweep MODEL --parallel MODE`")
     names = comma_names(models, "--models", "model") if models is not None else ()
-    return RunOptions(quick, full, names, target, draft, sets, prompt_sets is not None, serving)
+    drafts = comma_names(draft, "--draft", "drafter") if draft else ()
+    return RunOptions(quick, full, names, target, drafts, sets, prompt_sets is not None, serving)

@@ -19,8 +19,8 @@ import numpy as np
 from mac_moesd.analysis import break_even, spec_runs, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
-__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term", "round_cost",
-           "timed_run", "verdict_rows"]
+__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term", "fastest_run",
+           "break_even_accepted", "lookup_rows", "measured_answer", "round_cost", "timed_run", "verdict_rows"]
 
 GAMMAS = tuple(range(1, 9))
 TERMS = ("drafter cost", "verify cost", "acceptance")
@@ -101,7 +101,7 @@ def verdict_rows(fit_doc: dict, acceptance: list[dict], context: int,
             cost = round_cost(model, batch, gamma, context, a["alpha"])
             # The rollback priced at the measured alpha (it happens less often nearer break-even).
             per_round = cost.reject + cost.rollback
-            row = {**a, "batch": batch, "gamma": gamma, "predicted_speedup": speedup,
+            row = {**a, "drafter_kind": "model", "batch": batch, "gamma": gamma, "predicted_speedup": speedup,
                    "pays_off": speedup > 1.0,
                    "break_even_alpha": break_even.break_even_alpha(cost.plain, cost.verify, cost.draft / gamma,
                                                                     per_round, gamma),
@@ -160,3 +160,51 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float) 
     ratios = {k: v for k, v in ratios.items() if v is not None}
     term = max(ratios, key=lambda k: abs(ratios[k] - 1))
     return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}
+
+
+def fastest_run(runs: list[dict], batch: int, temperature: float) -> dict | None:
+    """The valid timed run with the highest measured speedup at that batch and temperature."""
+    timed = [r for r in spec_runs.valid_runs(runs)
+             if r["batch"] == batch and r.get("temperature", 0) == temperature]
+    return max(timed, key=lambda r: r["measured_speedup"], default=None)
+
+
+def measured_answer(run: dict) -> str:
+    """Whether a measured speedup pays off, by its 95% CI where it has one: ``pays off`` (the CI
+    above 1), ``does not pay off`` (below 1) or ``breaks even`` (the CI spans 1)."""
+    low, high = run.get("measured_ci") or [run["measured_speedup"]] * 2
+    return "pays off" if low > 1.0 else "does not pay off" if high < 1.0 else "breaks even"
+
+
+def break_even_accepted(run: dict) -> float | None:
+    """The draft tokens a round of this timed run would have to accept for S = 1 at the round's
+    measured cost: S = (accepted + 1) x plain step / round, so the round costs (accepted + 1) / S
+    plain steps, and that many tokens, less the one every round gives, break even. None without
+    a measured acceptance."""
+    if run.get("mean_accepted") is None:
+        return None
+    return (run["mean_accepted"] + 1) / run["measured_speedup"] - 1
+
+
+def lookup_rows(runs: list[dict], prompt_set: str, batches: tuple[int, ...]) -> list[dict]:
+    """Prompt lookup's verdict per temperature and batch, from its timed runs alone (no draft
+    length is chosen by a model: its drafts cost host time, and how often the context repeats is
+    what it measured): the fastest timed gamma (the longest proposal), its measured S with CI and
+    answer, its prediction, the accepted draft tokens per round it realised and the break-even
+    number at which S = 1 at the round's measured cost (``break_even_accepted``)."""
+    rows = []
+    for temperature in sorted({r.get("temperature", 0) for r in runs}):
+        for batch in batches:
+            run = fastest_run(runs, batch, temperature)
+            if run is None:
+                continue
+            rows.append({
+                "prompts": prompt_set, "temperature": temperature, "drafter_kind": "prompt-lookup",
+                "rule": "greedy" if temperature == 0 else "mlx-lm", "batch": batch, "gamma": run["gamma"],
+                "measured_speedup": run["measured_speedup"], "measured_ci": run.get("measured_ci"),
+                "answer": measured_answer(run), "predicted_speedup": run.get("predicted_speedup"),
+                "mean_accepted": run.get("mean_accepted"),
+                "proposal_rate": (run.get("lookup") or {}).get("proposal_rate"),
+                "break_even_accepted": break_even_accepted(run),
+            })
+    return rows

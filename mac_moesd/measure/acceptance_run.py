@@ -92,8 +92,8 @@ def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, t
         counts += out.per_round
         if offered is not None:
             offered += out.proposed
-        if temperature > 0 and out.rule_probs is not None:
-            for rule, (token_probs, position_probs) in out.rule_probs.items():
+        if temperature > 0:
+            for rule, (token_probs, position_probs) in (out.rule_probs or {}).items():
                 rules[rule][0].extend(token_probs)
                 rules[rule][1].extend(position_probs)
         else:

@@ -227,7 +227,7 @@ class RunOptions:
     full: bool = False
     models: tuple[str, ...] = ()  # --models
     target: str | None = None
-    draft: str | None = None
+    drafts: tuple[str, ...] = ()  # --draft: a drafter model and/or prompt-lookup
     prompt_sets: tuple[str, ...] = plans.PROMPT_SETS
     prompts_given: bool = False  # --prompts was given
     serving: bool = False
@@ -252,19 +252,21 @@ def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Pr
     serving_cfg = serving_stage.stage_config(options.quick) if options.serving else None
     chosen = None
     if options.target:
-        chosen = plans.pair_plan(machine.backend, options.quick, options.target, options.draft, options.prompt_sets)
+        chosen = plans.pair_plans(machine.backend, options.quick, options.target, options.drafts,
+                                  options.prompt_sets)
     elif machine.backend == "cpu" and options.prompts_given:
         raise BadInput("--prompts needs --target and --draft here (the cached-pair search runs on a GPU only)")
     elif machine.backend != "cpu" and not options.models and not options.full:
         chosen, search = plans.find_default_pair(machine.backend, options.quick,
                                                  memory.usable(limit).usable_bytes, options.prompt_sets)
+        chosen = chosen and [chosen]
         store.put("pair_search", "latest", search.to_dict())
         if chosen is None:
             warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
                  "models (the report says so)")
     spec_dict = machine.to_dict()["spec"]
-    if chosen is not None:
-        chosen = replace(chosen, base=replace(chosen.base, rollback=options.rollback))
+    if chosen:
+        chosen = [replace(plan, base=replace(plan.base, rollback=options.rollback)) for plan in chosen]
         outcome = pair_stages.run_pair(chosen, store, machine, spec_dict, progress, limit, serving_cfg)
     else:
         plan = plans.default_plan(machine.backend, options.quick, options.full)
@@ -312,10 +314,11 @@ def dry_run(options: RunOptions, out: Path | None, memory_limit: float | None, c
     backend, name, total, usable, rates = _planned_machine(chip, memory_gib, memory_limit, out)
     found = None
     if options.target:
-        found = plans.pair_plan(backend, options.quick, options.target, options.draft)
+        found = plans.pair_plans(backend, options.quick, options.target, options.drafts, options.prompt_sets)
     elif not chip and backend != "cpu" and not options.models and not options.full:
         found, _ = plans.find_default_pair(backend, options.quick, usable.usable_bytes)  # as `run` would
-    plan = found.base if found else plans.default_plan(backend, options.quick, options.full)
+        found = found and [found]
+    plan = found[0].base if found else plans.default_plan(backend, options.quick, options.full)
     if options.models:
         plan = plans.with_models(plan, options.models)
     if cluster:
@@ -324,13 +327,14 @@ def dry_run(options: RunOptions, out: Path | None, memory_limit: float | None, c
         ranks, parallel, link = cluster
         return estimate_cluster.dry_run_cluster(plan, backend, name, total, usable, rates, ranks, parallel,
                                                 link or estimate_cluster.LINK_GBPS)
-    if found is not None:
+    if found:
         planned = pair_stages.pair_stages(found, serving_stage.stage_config(options.quick) if options.serving else None)
     else:
         planned = stages.default_stages(plan, options.serving)
     document = estimate.dry_run(planned, plan.bits, backend, name, total, usable, rates)
-    if found is not None:
-        document["pair"] = {"target": found.target, "draft": found.draft, "found": found.found}
+    if found:
+        document["pair"] = {"target": found[0].target, "draft": ", ".join(p.draft for p in found),
+                            "found": found[0].found}
     return document
 
 

@@ -253,15 +253,17 @@ def _configuration_seconds(cfg: spec.SpecConfig, plain: float, sd: float, prefil
 
 
 def _prefills(t, d, rates: Rates, batch: int, context: int) -> float:
-    return prefill_seconds(t, rates, batch, context) + prefill_seconds(d, rates, batch, context)
+    """Both models' prefill (``d`` None: prompt lookup, no drafter model)."""
+    return prefill_seconds(t, rates, batch, context) + (0.0 if d is None else prefill_seconds(d, rates, batch, context))
 
 
 def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec.SpecConfig) -> tuple[float, float]:
-    """Plain decode and SD of ``cfg.new_tokens`` tokens per sequence: (plain, SD) seconds."""
+    """Plain decode and SD of ``cfg.new_tokens`` tokens per sequence: (plain, SD) seconds; ``d``
+    None: prompt lookup, whose drafting costs host time only (not counted)."""
     plain = cfg.new_tokens * forward_seconds(t, rates, batch, 1, cfg.context)
     rounds = math.ceil(cfg.new_tokens / float(theory.expected_tokens_per_round(alpha, gamma)))
-    sd = rounds * (gamma * forward_seconds(d, rates, batch, 1, cfg.context)
-                   + forward_seconds(t, rates, batch, gamma + 1, cfg.context))
+    drafting = 0.0 if d is None else gamma * forward_seconds(d, rates, batch, 1, cfg.context)
+    sd = rounds * (drafting + forward_seconds(t, rates, batch, gamma + 1, cfg.context))
     return plain, sd
 
 
@@ -277,14 +279,16 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
                           new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, budget_s=plan.spec_budget_s,
                           prompts=prompt_set, temperatures=pair.temperatures, max_prompts=pair.max_prompts,
                           stop_when_decided=plan.spec_stop_when_decided)
-    ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg), models.resolve(pair.draft_arg)).ids
+    lookup = pair.drafter_kind == "prompt-lookup"
+    ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg),
+                          None if lookup else models.resolve(pair.draft_arg)).ids
     t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
     if t.layers < t.layers_full:
         raise MacMoesdError(f"{pair.target} and its drafter fit only as slices of their layers, which a "
                             "real pair's SD run refuses")
     cfg = replace(cfg, context=round(sum(map(len, ids)) / len(ids)))
     passed = len(ids[: pair.max_prompts])
-    seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
+    seconds = materialise_seconds(t, rates) + (0.0 if lookup else materialise_seconds(d, rates))
     for temperature in cfg.temperatures:
         for gamma in cfg.gammas:
             plain, sd = _decodes(t, d, rates, 1, gamma, PAIR_ALPHA, cfg)
@@ -293,8 +297,9 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
             for batch in cfg.batches:
                 seconds += _configuration_seconds(cfg, *_decodes(t, d, rates, batch, gamma, PAIR_ALPHA, cfg),
                                                   prefill=_prefills(t, d, rates, batch, cfg.context))
-    return {"stage": f"spec {pair.target} on {prompt_set}", "models": [pair.target_arg, pair.draft_arg],
-            "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": d.layers,
+    return {"stage": f"spec {pair.target} on {prompt_set}",
+            "models": [pair.target_arg] + ([] if lookup else [pair.draft_arg]),
+            "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": None if lookup else d.layers,
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas),
                      "temperature": list(cfg.temperatures)},
             "acceptance_prompts": passed, "alpha_assumed": PAIR_ALPHA,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mac_moesd.analysis import fit
-from mac_moesd.errors import MacMoesdError
+from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
 from mac_moesd.measure import routing, routing_control, routing_trace, spec, sweep
 from mac_moesd.pipeline import estimate
@@ -78,12 +78,13 @@ def prompts_trace(store: ResultsStore, plan: PairPlan) -> tuple[Path, list[str]]
     return path, sets
 
 
-def sweep_routing(store: ResultsStore, plan: PairPlan) -> dict:
+def sweep_routing(store: ResultsStore, plan: PairPlan, drafters: tuple[str, ...] = ()) -> dict:
     """The routing the pair's sweep runs under, recorded in the pair's entry as ``sweep_routing``:
     ``routing`` (as ``sweep --routing`` takes it), ``key`` (as the sweep's results key names it),
     and for a trace the file (relative to the results), the prompt sets in it, its sequences and
     length and the most spans of one sequence the largest batch replays; for the model's own
-    routing of random ids, ``why`` the prompts' routing could not be replayed."""
+    routing of random ids, ``why`` the prompts' routing could not be replayed. ``drafters``: the
+    run's other drafters, whose entries share it."""
     batch, window = max(plan.base.batches), max(plan.base.tokens)
     found = prompts_trace(store, plan)
     if found is None:
@@ -101,7 +102,8 @@ def sweep_routing(store: ResultsStore, plan: PairPlan) -> dict:
             record = {"routing": mode.label, "key": mode.key, "trace": f"traces/{path.name}",
                       "prompt_sets": sets, "sequences": trace.sequences, "length": trace.length,
                       "spans_per_sequence": routing_control.spans_per_sequence(trace, batch)}
-    store.data["pairs"][f"{plan.target}|{plan.draft}"]["sweep_routing"] = record
+    for draft in (plan.draft, *drafters):  # every drafter of the run shares the sweep
+        store.data["pairs"][f"{plan.target}|{draft}"]["sweep_routing"] = record
     store.save()
     return record
 
@@ -123,13 +125,15 @@ def as_swept(data: dict, plan: PairPlan) -> dict:
 
 def record_pair(store: ResultsStore, plan: PairPlan) -> None:
     """What this pair run measures, for the report's first lines (before any stage runs)."""
+    stored = {"target": models.stored_format(models.resolve(plan.target_arg))}
+    if plan.drafter_kind == "model":
+        stored["draft"] = models.stored_format(models.resolve(plan.draft_arg))
     store.put("pairs", f"{plan.target}|{plan.draft}", {
-        "target": plan.target, "draft": plan.draft,
+        "target": plan.target, "draft": plan.draft, "drafter_kind": plan.drafter_kind,
         "target_arg": plan.target_arg, "draft_arg": plan.draft_arg, "found": plan.found,
         "prompt_sets": list(plan.prompt_sets), "temperatures": list(plan.temperatures),
         "acceptance_prompts": plan.max_prompts,
-        "stored": {"target": models.stored_format(models.resolve(plan.target_arg)),
-                   "draft": models.stored_format(models.resolve(plan.draft_arg))},
+        "stored": stored,
         "context": plan.base.context, "spec_batches": list(plan.base.spec_batches),
         "spec_gammas": list(plan.base.spec_gammas),
     })
@@ -153,12 +157,14 @@ def _routing(plan: PairPlan, prompt_set: str) -> Stage:
                  models=(plan.target_arg,))
 
 
-def _sweep(plan: PairPlan) -> Stage:
-    """The target's sweep under the prompts' routing (``sweep_routing``), with the drafter's step."""
+def _sweep(plan: PairPlan, drafters: tuple[str, ...] = ()) -> Stage:
+    """The target's sweep under the prompts' routing (``sweep_routing``), with the drafter model's
+    step where the run has one."""
     label = f"sweep {plan.target}"
 
     def work(ctx: Context) -> None:
-        cfg = replace(sweep_config(plan.base, plan.target_arg), routing=sweep_routing(ctx.store, plan)["routing"])
+        record = sweep_routing(ctx.store, plan, drafters)
+        cfg = replace(sweep_config(plan.base, plan.target_arg), routing=record["routing"])
         sweep.run_sweep(cfg, ctx.store, ctx.usable_bytes, ctx.progress)
 
     return Stage(label, work, models=(plan.target_arg,),
@@ -166,8 +172,8 @@ def _sweep(plan: PairPlan) -> Stage:
 
 
 def fit_target(plan: PairPlan, store: ResultsStore) -> None:
-    """The fit of the target's sweep with this pair's drafter step."""
-    inputs = fit.inputs_from_results(as_swept(store.data, plan), plan.target, draft_model=plan.draft)
+    """The fit of the target's sweep with the run's drafter model's step (none: prompt lookup alone)."""
+    inputs = fit.inputs_from_results(as_swept(store.data, plan), plan.target, draft_model=plan.draft_model)
     store.data.setdefault("fits", {})[plan.target] = fit.fit_document(fit.fit(inputs))
     store.save()
 
@@ -175,26 +181,29 @@ def fit_target(plan: PairPlan, store: ResultsStore) -> None:
 def _spec(plan: PairPlan, prompt_set: str) -> Stage:
     """SD with the drafter's own tokens on one prompt set, beside the fit's predictions."""
     base, key = plan.base, spec_key(plan.target, plan.draft, "real", prompt_set)
+    lookup = plan.drafter_kind == "prompt-lookup"
 
     def work(ctx: Context) -> None:
         data = ctx.store.data
         fitted = data.get("fits", {}).get(plan.target)
         if fitted is None:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
+        predictor = fit.lookup_predictor(fitted) if lookup else fit.speedup_predictor(fitted)
         cfg = spec.SpecConfig(target=plan.target_arg, draft=plan.draft_arg, batches=base.spec_batches,
                               gammas=base.spec_gammas, mode="real", context=base.context,
                               new_tokens=base.spec_tokens, repeats=base.spec_repeats,
                               budget_s=base.spec_budget_s, prompts=prompt_set,
                               temperatures=plan.temperatures, max_prompts=plan.max_prompts, rollback=base.rollback,
                               stop_when_decided=base.spec_stop_when_decided)
-        document = spec.run_spec(cfg, fit.speedup_predictor(fitted), ctx.usable_bytes,
+        document = spec.run_spec(cfg, predictor, ctx.usable_bytes,
                                  fit.sweep_plain_step(as_swept(data, plan), plan.target))
         ctx.store.put("spec", key, document)
         spec.require_valid(document)
 
-    return Stage(f"spec {plan.target} on {prompt_set}", work, done=lambda data: spec.stored_and_valid(data, key),
-                 estimate=lambda sizing: estimate.pair_spec_stage(plan, prompt_set, sizing),
-                 models=(plan.target_arg, plan.draft_arg))
+    label = f"spec {plan.target} on {prompt_set}" + (" by prompt lookup" if lookup else "")
+    return Stage(label, work, done=lambda data: spec.stored_and_valid(data, key),
+                 estimate=lambda sizing: {**estimate.pair_spec_stage(plan, prompt_set, sizing), "stage": label},
+                 models=(plan.target_arg,) + ((plan.draft_arg,) if not lookup else ()))
 
 
 def _serving(plan: PairPlan, template) -> Stage:
@@ -213,18 +222,30 @@ def _serving(plan: PairPlan, template) -> Stage:
                  models=(plan.target_arg, plan.draft_arg))
 
 
-def pair_stages(plan: PairPlan, serving=None) -> list[Stage]:
-    """The stages of a pair run, in order (the report comes after them). ``serving``: the
-    ``serving_stage.ServingConfig`` of a last stage measuring mlx_lm.server on the pair."""
-    return [roofline_stage(plan.base), *[_routing(plan, p) for p in plan.prompt_sets], _sweep(plan),
-            Stage("fit", lambda ctx: fit_target(plan, ctx.store)),
-            *[_spec(plan, p) for p in plan.prompt_sets], *([_serving(plan, serving)] if serving else [])]
+def pair_stages(plans: PairPlan | list[PairPlan], serving=None) -> list[Stage]:
+    """The stages of a pair run, in order (the report comes after them): of one target with one
+    or several drafters (``plans``, one per drafter, sharing grids), the routing, sweep and fit
+    once, SD per drafter and prompt set. ``serving``: the ``serving_stage.ServingConfig`` of a
+    last stage measuring mlx_lm.server with the drafter model."""
+    plans = [plans] if isinstance(plans, PairPlan) else plans
+    first, others = plans[0], tuple(p.draft for p in plans[1:])
+    served = [p for p in plans if p.drafter_kind == "model"]
+    if serving and not served:
+        raise BadInput("--serving measures mlx_lm.server with a drafter model (it has no prompt lookup): "
+                       "name a drafter model in --draft too")
+    return [roofline_stage(first.base), *[_routing(first, p) for p in first.prompt_sets], _sweep(first, others),
+            Stage("fit", lambda ctx: fit_target(first, ctx.store)),
+            *[_spec(plan, p) for plan in plans for p in plan.prompt_sets],
+            *([_serving(served[0], serving)] if serving else [])]
 
 
-def run_pair(plan: PairPlan, store: ResultsStore, machine, spec_dict: dict | None, progress: Progress = Progress(),
-             memory_limit: int | None = None, serving=None) -> Outcome:
-    """Measure every missing stage of the pair into ``store`` (``runner.run_stages``), after
-    recording what the run measures."""
-    record_pair(store, plan)
+def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, spec_dict: dict | None,
+             progress: Progress = Progress(), memory_limit: int | None = None, serving=None) -> Outcome:
+    """Measure every missing stage of the pair run into ``store`` (``runner.run_stages``), after
+    recording what it measures (one ``pairs`` entry per drafter)."""
+    plans = [plans] if isinstance(plans, PairPlan) else plans
+    stages = pair_stages(plans, serving)  # refuses what cannot run before anything is recorded
+    for plan in plans:
+        record_pair(store, plan)
     ctx = Context(store, machine.backend, spec_dict, Outcome(), progress)
-    return run_stages(pair_stages(plan, serving), ctx, memory_limit)
+    return run_stages(stages, ctx, memory_limit)

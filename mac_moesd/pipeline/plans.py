@@ -10,11 +10,14 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.measure import roofline, spec, timing
+from mac_moesd.measure.prompt_lookup import DRAFTER_NAME as LOOKUP
 from mac_moesd.units import human_bytes
 
-__all__ = ["PROMPT_SETS", "PairPlan", "Plan", "default_plan", "find_default_pair", "pair_plan", "with_models"]
+__all__ = ["PROMPT_SETS", "PairPlan", "Plan", "default_plan", "find_default_pair", "pair_plan", "pair_plans",
+           "with_models"]
 
 PROMPT_SETS = ("code", "chat")
+MTP_HEAD = "mtp-head"  # a drafter kind users ask for, refused by name (not measured by this version)
 TEMPERATURES = (0.0, 1.0)
 QUICK_PROMPTS = 10
 
@@ -23,7 +26,7 @@ QUICK_PROMPTS = 10
 class Plan:
     moe: tuple[str, ...]  # sparse first
     dense: str | None  # the dense control; None in a pair run
-    draft: str
+    draft: str | None  # the drafter model; None in a pair run drafted by prompt lookup alone
     batches: tuple[int, ...]
     tokens: tuple[int, ...]
     context: int
@@ -90,8 +93,9 @@ def with_models(plan: Plan, names: tuple[str, ...]) -> Plan:
 @dataclass(frozen=True)
 class PairPlan:
     """A run of one target/drafter pair: the grids of ``base`` (its ``moe`` is the target argument
-    alone, no dense control), the prompt sets and temperatures SD and routing run on. ``target``
-    and ``draft`` are the models' names as results and the report key them."""
+    alone, no dense control; its ``draft`` the run's drafter model, whose step the sweep times),
+    the prompt sets and temperatures SD and routing run on. ``target`` and ``draft`` are the
+    names results and the report key them by: the models' resolved names, or ``prompt-lookup``."""
 
     base: Plan
     target: str
@@ -108,18 +112,46 @@ class PairPlan:
 
     @property
     def draft_arg(self) -> str:
-        return self.base.draft
+        """What SD is given as its drafter: the model as the command line named it, or the kind."""
+        return LOOKUP if self.draft == LOOKUP else self.base.draft
+
+    @property
+    def drafter_kind(self) -> str:
+        return "prompt-lookup" if self.draft == LOOKUP else "model"
+
+    @property
+    def draft_model(self) -> str | None:
+        """The resolved name of the run's drafter model (the fit's T_D), or None without one."""
+        return models.resolve(self.base.draft).name if self.base.draft else None
 
 
 def pair_plan(backend: str, quick: bool, target: str, draft: str,
               prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line") -> PairPlan:
-    """The default run's grids and budgets for this backend, on ``target`` with ``draft``, weights
-    as stored (no quantization of our own). Refuses, before anything is built, a model without
-    weights, a target that is not an MoE model and a prompt set that cannot be read. (Embedding
-    tables padded to different sizes under one tokenizer are fine; the SD stage checks that both
-    models tokenise the prompts alike.)"""
-    target_source, draft_source = models.resolve(target), models.resolve(draft)
+    """``pair_plans`` of one drafter."""
+    return pair_plans(backend, quick, target, (draft,), prompt_sets, found)[0]
+
+
+def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
+               prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line") -> list[PairPlan]:
+    """The default run's grids and budgets for this backend, on ``target`` with each of ``drafts``
+    (a drafter model, at most one, and ``prompt-lookup``), one plan per drafter sharing the grids,
+    weights as stored (no quantization of our own). Refuses, before anything is built, a model
+    without weights, a target that is not an MoE model and a prompt set that cannot be read.
+    (Embedding tables padded to different sizes under one tokenizer are fine; the SD stage checks
+    that both models tokenise the prompts alike.)"""
+    drafter_models = [d for d in dict.fromkeys(drafts) if d != LOOKUP]
+    if len(drafter_models) > 1:
+        raise BadInput(f"--draft names {len(drafter_models)} drafter models: a run fits one drafter's step "
+                       "(name one model, and prompt-lookup beside it if you like)")
+    if MTP_HEAD in drafter_models:
+        raise BadInput("--draft mtp-head: MTP heads are not measured by this version (prompt-lookup and "
+                       "a drafter model are)")
+    draft = drafter_models[0] if drafter_models else None
+    target_source = models.resolve(target)
+    draft_source = models.resolve(draft) if draft else None
     for option, source in (("--target", target_source), ("--draft", draft_source)):
+        if source is None:
+            continue
         if not source.has_weights:
             raise BadInput(f"{option} {source.name} has no weights here (no *.safetensors): a pair run "
                            "measures trained weights; `run --models` measures random-weight models")
@@ -132,8 +164,9 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))
     # --quick: the untimed acceptance pass decodes the first 10 prompts of each set (a third of
     # a built-in set); the timed runs still cycle through all of them.
-    return PairPlan(base, target_source.name, draft_source.name, tuple(prompt_sets), found=found,
-                    max_prompts=QUICK_PROMPTS if quick else None)
+    names = [LOOKUP if d == LOOKUP else draft_source.name for d in dict.fromkeys(drafts)]
+    return [PairPlan(base, target_source.name, name, tuple(prompt_sets), found=found,
+                     max_prompts=QUICK_PROMPTS if quick else None) for name in names]
 
 
 def fits_in_memory(plan: Plan, usable_bytes: int) -> Callable[[str, str], str | None]:

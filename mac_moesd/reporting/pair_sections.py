@@ -22,7 +22,8 @@ def first_lines(d: Digest) -> list:
     """What the report is about, before anything else: the user's pair, or why random weights."""
     blocks = []
     for p in d.pairs:
-        blocks.append(("note", f"Your pair: target **{p['target']}** with drafter **{p['draft']}** "
+        drafter = "prompt lookup" if p.get("drafter_kind") == "prompt-lookup" else p["draft"]
+        blocks.append(("note", f"Your pair: target **{p['target']}** with drafter **{drafter}** "
                        f"({p['found']}), real weights as stored; SD measured on the prompt sets "
                        f"{', '.join(p['prompt_sets'])} at temperatures "
                        f"{', '.join(f'{t:g}' for t in p['temperatures'])}."))
@@ -68,10 +69,18 @@ def _measured(d: Digest, p: dict) -> list:
     blocks.append(("p", f"Prompt sets: {', '.join(_prompt_sets(d, p))}; temperatures "
                    f"{', '.join(f'{t:g}' for t in p['temperatures'])}; SD at batches "
                    f"{', '.join(map(str, p['spec_batches']))} with gamma "
-                   f"{', '.join(map(str, p['spec_gammas']))} (batch 1 with mlx-lm's "
-                   "`speculative_generate_step`, larger batches with the suite's loop driven by the "
-                   f"drafter); the target's sweep at context {p['context']} {_sweep_routing(p)}."))
+                   f"{', '.join(map(str, p['spec_gammas']))} {_engines(p)}; the target's sweep at context "
+                   f"{p['context']} {_sweep_routing(p)}."))
     return blocks
+
+
+def _engines(p: dict) -> str:
+    """Which loop ran SD at which batch, by the pair's kind of drafter."""
+    if p.get("drafter_kind") == "prompt-lookup":
+        return ("(every batch with the suite's loop, drafted by prompt lookup from each sequence's own "
+                "context: mlx-lm has no prompt lookup)")
+    return ("(batch 1 with mlx-lm's `speculative_generate_step`, larger batches with the suite's loop "
+            "driven by the drafter)")
 
 
 def _sweep_routing(p: dict) -> str:
@@ -155,12 +164,8 @@ def _timed(doc: dict, row: dict) -> list[dict]:
 
 def _worth(run: dict) -> str:
     """Whether a measured speedup pays off, judged by its CI where it has one."""
-    low, high = run.get("measured_ci") or [run["measured_speedup"]] * 2
-    if low > 1.0:
-        return "SD pays off"
-    if high < 1.0:
-        return "SD does not pay off"
-    return "SD breaks about even (its CI spans 1)"
+    answer = verdict.measured_answer(run)
+    return "SD breaks about even (its CI spans 1)" if answer == "breaks even" else f"SD {answer}"
 
 
 def _break_even(row: dict) -> str:
@@ -196,7 +201,48 @@ def _verdict_line(prompt_set: str, row: dict, run: dict | None) -> str:
     return text + why + _break_even(row)
 
 
+def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
+    """The verdict of prompt lookup, from its timed runs (``verdict.lookup_rows``)."""
+    blocks = [("h3", "Verdict for prompt lookup")]
+    if not docs:
+        return blocks + [("p", "No verdict: measured SD on the prompt sets is missing (the skipped stages above "
+                               "say why); rerun the same command to retry them.")]
+    batches = tuple(sorted({1, max(p["spec_batches"])}))
+    rows, lines = [], []
+    for prompt_set, doc in docs.items():
+        for row in verdict.lookup_rows(doc["runs"], prompt_set, batches):
+            run = verdict.fastest_run(doc["runs"], row["batch"], row["temperature"])
+            needed = row["break_even_accepted"]
+            rows.append([prompt_set, f"{row['temperature']:g}", str(row["batch"]), str(row["gamma"]),
+                         measured_speedup(run), row["answer"],
+                         "-" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}",
+                         f"{row['proposal_rate']:.0%}", f"{row['mean_accepted']:.2f}",
+                         "-" if needed is None else f"{needed:.2f}"])
+            if row["batch"] == 1:
+                lines.append(f"On {prompt_set} at temperature {row['temperature']:g}: **measured at batch 1, "
+                             f"proposals of up to {row['gamma']} tokens: {_worth(run)}**, {measured_speedup(run)}; "
+                             f"a proposal in {row['proposal_rate']:.0%} of rounds, {row['mean_accepted']:.2f} "
+                             "draft tokens accepted per round"
+                             + ("" if needed is None else f", where {needed:.2f} would break even") + ".")
+    blocks.append(("list", lines))
+    blocks.append(("table", ["prompt set", "temperature", "B", "fastest gamma", "measured S", "answer",
+                             "predicted S", "rounds with a proposal", "accepted/round",
+                             "break-even accepted/round"], rows))
+    blocks.append(("p", "Prompt lookup drafts by copying: the tokens that followed the latest earlier "
+                   "occurrence of the context's last n tokens (docs/design.md §4.9). It costs host time only, "
+                   "so no draft length is chosen by a model: the fastest timed gamma (its longest proposal) is "
+                   "shown, measured (median speedup, 95% CI), with the prediction from the round's timed parts. "
+                   "Break-even accepted/round: the draft tokens a round would have to accept for S = 1 at "
+                   "the round's measured cost ((accepted + 1) / S plain steps). At batch > 1 a "
+                   "round verifies the batch's longest proposal and the batch rolls back to its shortest "
+                   "accepted prefix (each sequence credited its own accepted tokens), so one sequence without "
+                   "a proposal makes the others verify again."))
+    return blocks
+
+
 def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
+    if p.get("drafter_kind") == "prompt-lookup":
+        return _lookup_verdict(p, docs)
     blocks = [("h3", "Verdict for this pair")]
     fitted = d.fit_of(p["target"])
     if fitted is None or not fitted.get("drafted") or not docs:
@@ -323,9 +369,62 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
                        "pair (dashed: equal).")] if "measured_vs_predicted" in figures else [])
 
 
-def pair_blocks(d: Digest, figures: dict) -> list:
-    """The pair sections, one group per measured pair."""
+KIND_NAMES = {"model": "drafter model", "prompt-lookup": "prompt lookup", "self": "self-draft"}
+
+
+def drafter_blocks(d: Digest) -> list:
+    """Where a target was measured with several kinds of drafter on the same prompts: each kind's
+    fastest measured S per prompt set, temperature and batch, the best kind first, and what the
+    others would need to accept per round to pay off (from their rounds' timed cost)."""
     blocks = []
+    by_target: dict[str, list[dict]] = {}
+    for p in d.pairs:
+        by_target.setdefault(p["target"], []).append(p)
+    for target, pairs in by_target.items():
+        if len(pairs) < 2:
+            continue
+        rows, lines = [], []
+        docs = {p["draft"]: d.pair_spec(p) for p in pairs}
+        kinds = {p["draft"]: KIND_NAMES.get(p.get("drafter_kind", "model"), "drafter model") for p in pairs}
+        sets = dict.fromkeys(s for p in pairs for s in p["prompt_sets"])
+        for prompt_set in sets:
+            temperatures = sorted({r.get("temperature", 0) for sd in docs.values() if prompt_set in sd
+                                   for r in sd[prompt_set]["runs"]})
+            for temperature in temperatures:
+                for batch in sorted({1, max(pairs[0]["spec_batches"])}):
+                    fastest = {draft: verdict.fastest_run(sd[prompt_set]["runs"], batch, temperature)
+                               for draft, sd in docs.items() if prompt_set in sd}
+                    fastest = {k: v for k, v in fastest.items() if v is not None}
+                    if not fastest:
+                        continue
+                    ranked = sorted(fastest, key=lambda k: -fastest[k]["measured_speedup"])
+                    for rank, draft in enumerate(ranked):
+                        run = fastest[draft]
+                        needed = verdict.break_even_accepted(run)
+                        rows.append([prompt_set, f"{temperature:g}", str(batch), f"{kinds[draft]} ({draft})",
+                                     str(run["gamma"]), measured_speedup(run), verdict.measured_answer(run),
+                                     "-" if run.get("mean_accepted") is None else f"{run['mean_accepted']:.2f}",
+                                     "-" if needed is None else f"{needed:.2f}", "best" if rank == 0 else ""])
+                    if batch == 1:
+                        best = fastest[ranked[0]]
+                        others = ", ".join(f"{kinds[k]} {fastest[k]['measured_speedup']:.2f}" for k in ranked[1:])
+                        lines.append(f"On {prompt_set} at temperature {temperature:g}, batch 1: **{kinds[ranked[0]]} "
+                                     f"is fastest**, {measured_speedup(best)} ({verdict.measured_answer(best)})"
+                                     + (f"; then {others}." if others else "."))
+        blocks += [("h2", f"Which drafter for {target}"), ("list", lines),
+                   ("table", ["prompt set", "temperature", "B", "drafter", "gamma", "measured S", "answer",
+                              "accepted/round", "break-even accepted/round", ""], rows),
+                   ("p", "Each kind of drafter measured on the same prompts against the same plain decoding, its "
+                         "fastest timed gamma at each batch (median speedup over pairs, 95% CI). Break-even "
+                         "accepted/round: the draft tokens a round would have to accept for S = 1 at that "
+                         "kind's measured cost of a round; a kind pays off once it accepts more. Each "
+                         "kind's own verdict follows in its section.")]
+    return blocks
+
+
+def pair_blocks(d: Digest, figures: dict) -> list:
+    """The pair sections, one group per measured pair, after the comparison of drafters."""
+    blocks = drafter_blocks(d)
     for p in d.pairs:
         docs = d.pair_spec(p)
         blocks.append(("h2", f"Your pair: {p['target']} with {p['draft']}"))

@@ -739,16 +739,18 @@ class SpecDocument(TypedDict, total=False):
 
 
 class PairRecord(TypedDict, total=False):
-    """A ``pairs`` entry, keyed ``<target>|<draft>``, written when a pair run starts."""
+    """A ``pairs`` entry, keyed ``<target>|<draft>``, written when a pair run starts (one per
+    drafter of the run: a drafter model's resolved name, or prompt-lookup)."""
     target: str
     draft: str
+    drafter_kind: str  # model, prompt-lookup
     target_arg: str
     draft_arg: str
     found: str
     prompt_sets: list[str]
     temperatures: list[float]
     acceptance_prompts: int | None  # null: all
-    stored: dict[str, str]  # target, draft: weight formats as stored
+    stored: dict[str, str]  # target, draft (a drafter model's): weight formats as stored
     context: int
     spec_batches: list[int]
     spec_gammas: list[int]

@@ -120,9 +120,10 @@ def run_prediction(predictor, run: dict, doc: dict) -> float | None:
     """A timed SD run's speedup as ``predictor`` (``speedup_predictor``) gives it at the run's
     realised alpha and context, or the fitted model's as stored with the run when there is no
     predictor or alpha (runs made before ``predicted_by`` stored the model's as
-    ``predicted_speedup``)."""
+    ``predicted_speedup``), and for prompt lookup, whose prediction needs the run's verify widths."""
     alpha = run_alpha(run)
-    if predictor is None or alpha is None:
+    # A prompt-lookup run's prediction needs its verify widths, which are not stored: as stored.
+    if predictor is None or alpha is None or run.get("drafter_kind") == "prompt-lookup":
         return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
     return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
 
