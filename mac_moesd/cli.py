@@ -312,6 +312,9 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
 
     if draft and not target:
         raise click.UsageError("--draft goes with TARGET")
+    if draft in ("prompt-lookup", "mtp-head"):
+        raise click.UsageError(f"--draft {draft}: mlx_lm.server drafts with a model only (measure {draft} "
+                               "with `mac-moesd spec` or `run --draft`, or a server that has it with --url)")
     if served_model and not urls:
         raise click.UsageError("--served-model goes with --url")
     cfg = ServingConfig(target=target, draft=draft, gamma=gamma, concurrency=concurrency, tokens=tokens,

@@ -16,6 +16,7 @@ from mac_moesd.machine import hardware
 from mac_moesd.pipeline import commands
 
 RECORDED = Path(__file__).parent / "data" / "results_quick_cpu.json"
+TINY_PAIR = Path(__file__).parent / "data" / "tiny-pair"
 NO_MEMORY = {"MAC_MOESD_MEMORY_LIMIT": "lots"}
 
 CASES = [
@@ -56,6 +57,13 @@ CASES = [
     (["run", "--target", "nope", "--draft", "tiny-draft", "--out", "{out}"], {}, 1, "unknown model 'nope'"),
     (["run", "--target", "tiny-moe", "--draft", "tiny-draft", "--out", "{out}"], {}, 2,
      "has no weights here (no *.safetensors)"),
+    (["run", "--target", "{pair_target}", "--draft", "{pair_draft},{pair_target}", "--out", "{out}"], {}, 2,
+     "--draft names 2 drafter models: a run fits one drafter's step"),
+    (["run", "--target", "{pair_target}", "--draft", "mtp-head", "--out", "{out}"], {}, 2,
+     "--draft mtp-head: MTP heads are not measured by this version"),
+    (["run", "--target", "{pair_target}", "--draft", "prompt-lookup", "--serving", "--out", "{out}"], {}, 2,
+     "--serving measures mlx_lm.server with a drafter model"),
+    (["run", "--target", "{pair_target}", "--draft", ",", "--out", "{out}"], {}, 2, "name at least one drafter"),
     # sweep
     (["sweep", "tiny-mo", "--out", "{out}"], {}, 1, "did you mean tiny-moe"),
     (["sweep", "/no/such/config.json", "--out", "{out}"], {}, 1, "config file not found"),
@@ -206,6 +214,8 @@ CASES = [
     (["serving", "tiny-moe", "--tokens", "0", "--out", "{out}"], {}, 2, "'--tokens': 0 is not in the range"),
     (["serving", "tiny-moe", "--gamma", "0", "--out", "{out}"], {}, 2, "'--gamma': 0 is not in the range"),
     (["serving", "tiny-moe", "--url", "nourl", "--out", "{out}"], {}, 2, "'nourl' is not NAME=URL"),
+    (["serving", "tiny-moe", "--draft", "prompt-lookup", "--out", "{out}"], {}, 2,
+     "--draft prompt-lookup: mlx_lm.server drafts with a model only"),
     (["serving", "tiny-moe", "--prompts", ",", "--out", "{out}"], {}, 2, "name at least one prompt set"),
     (["serving", "tiny-moe", "--shared-prefix", "-1", "--out", "{out}"], {}, 2, "-1 is not in the range x>=0"),
     (["serving", "tiny-moe", "--fit", "/no/such", "--out", "{out}"], {}, 2, "'/no/such' does not exist"),
@@ -260,6 +270,7 @@ def places(tmp_path_factory):
     _folder(runs, hardware.detect().slug, "{half a file")
     return {
         "out": out, "dense": dense, "runs": runs, "file": root / "file",
+        "pair_target": TINY_PAIR / "target", "pair_draft": TINY_PAIR / "draft",
         "empty": _folder(root, "empty"),
         "corrupt": _folder(root, "corrupt", "{half a file"),
         "newer": _folder(root, "newer", json.dumps(dict(mine, schema="mac-moesd/99"))),

@@ -350,6 +350,39 @@ def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tin
 
 
 @pytest.mark.slow
+def test_a_drafter_model_and_prompt_lookup_are_measured_on_the_same_prompts_and_compared(
+        tmp_path, tiny_grid, tiny_pair):
+    target, draft = tiny_pair
+    result, folder = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup", "--prompts", "edit")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads((folder / "results.json").read_text())
+    md = (folder / "report.md").read_text()
+    assert set(data["pairs"]) == {"target|draft", "target|prompt-lookup"}
+    assert set(data["spec"]) == {"target|draft|real|edit", "target|prompt-lookup|real|edit"}
+    # one routing, one sweep (with the drafter model's step) and one fit serve both drafters
+    assert data["pairs"]["target|prompt-lookup"]["sweep_routing"] == data["pairs"]["target|draft"]["sweep_routing"]
+    assert [e["model"] for e in data["sweeps"].values()] == ["target"] and data["fits"]["target"]["drafted"]
+    lookup = data["spec"]["target|prompt-lookup|real|edit"]
+    assert lookup["valid"] and lookup["drafter_kind"] == "prompt-lookup"
+    assert all(r["engine"].startswith("mac-moesd loop") and r["lookup"]["proposal_rate"] > 0 for r in lookup["runs"])
+    for section in ("## Which drafter for target", "## Your pair: target with draft",
+                    "## Your pair: target with prompt-lookup", "### Verdict for prompt lookup"):
+        assert section in md
+    # The lead names the faster kind at batch 1, temperature 0, as measured.
+    speeds = {kind: max(r["measured_speedup"] for r in data["spec"][key]["runs"]
+                        if r["batch"] == 1 and r["temperature"] == 0)
+              for kind, key in (("drafter model", "target|draft|real|edit"),
+                                ("prompt lookup", "target|prompt-lookup|real|edit"))}
+    fastest = max(speeds, key=speeds.get)
+    assert f"On edit at temperature 0, batch 1: **{fastest} is fastest**, {speeds[fastest]:.2f} [" in md
+
+    # Resumable: a rerun measures nothing again.
+    result, _ = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup", "--prompts", "edit")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((folder / "results.json").read_text())["spec"] == data["spec"]
+
+
+@pytest.mark.slow
 def test_a_pair_saved_by_the_test_runs_through_the_same_command(tmp_path, tiny_grid, own_pair):
     target, draft = own_pair
     prompts = tmp_path / "mine.jsonl"

@@ -139,3 +139,46 @@ def test_spec_with_prompt_lookup_records_its_kind_proposals_and_audit(tiny_pair,
         assert run["predicted_from"] == "measured" and run["round"]["draft_s"] > 0
         assert set(run["round"]["verify_by_tokens"]) == {"2", "3"}
     assert doc["acceptance"][0]["proposal_rate"] > 0
+
+
+def _run(batch, gamma, speedup, ci, accepted, temperature=0.0, valid=True, **extra):
+    return {"batch": batch, "gamma": gamma, "temperature": temperature, "measured_speedup": speedup,
+            "measured_ci": ci, "pairs": 8, "stopped": "precision", "mean_accepted": accepted,
+            "valid": valid, **extra}
+
+
+def test_the_lookup_verdict_takes_the_fastest_valid_run_and_its_break_even():
+    from mac_moesd.analysis import verdict
+
+    runs = [_run(1, 2, 1.10, [1.05, 1.15], 0.5, predicted_speedup=1.2, lookup={"proposal_rate": 0.6}),
+            _run(1, 4, 1.30, [1.25, 1.35], 0.9, valid=False),  # failed its audit: not a measurement
+            _run(1, 4, 0.95, [0.90, 1.02], 0.4, predicted_speedup=1.0, lookup={"proposal_rate": 0.6}),
+            _run(2, 2, 0.80, [0.75, 0.85], 0.3, predicted_speedup=0.9, lookup={"proposal_rate": 0.5})]
+    rows = verdict.lookup_rows(runs, "edit", (1, 2))
+    assert [(r["batch"], r["gamma"], r["answer"]) for r in rows] == [(1, 2, "pays off"), (2, 2, "does not pay off")]
+    # (0.5 + 1) / 1.10 plain steps a round, less the token every round gives
+    assert rows[0]["break_even_accepted"] == pytest.approx(1.5 / 1.1 - 1)
+    assert rows[0]["drafter_kind"] == "prompt-lookup" and rows[0]["proposal_rate"] == 0.6
+    assert verdict.measured_answer(runs[2]) == "breaks even"
+
+
+def test_the_report_ranks_the_drafters_measured_on_the_same_prompts():
+    from mac_moesd.analysis.digest import Digest
+    from mac_moesd.reporting.pair_sections import drafter_blocks
+
+    pair = {"target": "T", "prompt_sets": ["edit"], "spec_batches": [1, 2], "temperatures": [0.0]}
+    data = {"pairs": {"T|D": {**pair, "draft": "D", "drafter_kind": "model"},
+                      "T|prompt-lookup": {**pair, "draft": "prompt-lookup", "drafter_kind": "prompt-lookup"}},
+            "spec": {"T|D|real|edit": {"runs": [_run(1, 2, 0.9, [0.85, 0.95], 0.4)]},
+                     "T|prompt-lookup|real|edit": {"runs": [_run(1, 4, 1.2, [1.1, 1.3], 0.5),
+                                                            _run(2, 4, 0.7, [0.6, 0.8], 0.2)]}}}
+    blocks = drafter_blocks(Digest(data))
+    lead = blocks[1][1][0]
+    assert lead.startswith("On edit at temperature 0, batch 1: **prompt lookup is fastest**, 1.20 [1.10-1.30]")
+    assert lead.endswith("(pays off); then drafter model 0.90.")
+    table = blocks[2][2]
+    assert [row[3] for row in table] == ["prompt lookup (prompt-lookup)", "drafter model (D)",
+                                         "prompt lookup (prompt-lookup)"]
+    assert table[0][-1] == "best" and table[1][-1] == ""
+    # one drafter measured: nothing to compare
+    assert drafter_blocks(Digest({**data, "pairs": {"T|D": data["pairs"]["T|D"]}})) == []

@@ -606,22 +606,23 @@ def render_plan(doc: dict) -> str:
     """The dry run: one line per stage, peak memory against usable, and the ETA."""
     machines = f"{doc['ranks']} x " if doc.get("ranks") else ""
     per = " each" if doc.get("ranks") else ""
+    width = max([28] + [len(s["stage"]) for s in doc["stages"]])
     lines = [
         f"{machines}{doc['chip']} ({doc['backend']}, {doc['dtype']}"
         + (f", {doc['bits']}-bit" if doc["bits"] else "") + f"): memory {gib(doc['memory_bytes'])}{per}, "
         f"usable {gib(doc['usable_bytes'])}{per}",
         f"rates: {doc['rates']['bandwidth_bytes_s'] / 1e9:.0f} GB/s, {doc['rates']['flops'] / 1e12:.2f} "
         f"TFLOP/s ({doc['rates']['source']})",
-        f"{'stage':<28} {'layers':>9} {'peak':>10} {'fits':>5} {'eta':>8}",
+        f"{'stage':<{width}} {'layers':>9} {'peak':>10} {'fits':>5} {'eta':>8}",
     ]
     for s in doc["stages"]:
         layers = "-"
         if s.get("layers"):
             layers = "+".join(str(n) for n in s["layers"]) + f"/{s['layers_full']}"
         if "skipped" in s:
-            lines.append(f"{s['stage']:<28} skipped: {s['skipped']}")
+            lines.append(f"{s['stage']:<{width}} skipped: {s['skipped']}")
             continue
-        lines.append(f"{s['stage']:<28} {layers:>9} {gib(s['peak_bytes']):>10} "
+        lines.append(f"{s['stage']:<{width}} {layers:>9} {gib(s['peak_bytes']):>10} "
                      f"{'yes' if s['fits'] else 'NO':>5} {s['eta_s']:>7.0f}s")
         if "alpha_assumed" in s:
             lines.append(f"  acceptance pass over {s['acceptance_prompts']} prompts per gamma and temperature; "
