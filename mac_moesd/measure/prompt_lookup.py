@@ -1,6 +1,6 @@
 """Prompt lookup (n-gram drafting): draft tokens copied from the context, with no model.
 
-The rule (docs/design.md §4.9): for n from ``max_ngram`` down to ``min_ngram``, find the most
+The rule (docs/design.md §4.8): for n from ``max_ngram`` down to ``min_ngram``, find the most
 recent earlier occurrence of the context's last n tokens (prompt and emitted tokens) that is
 followed by at least one token, and propose up to gamma of the tokens that followed it. No
 occurrence at any n: the round proposes nothing and is a plain step of the target.

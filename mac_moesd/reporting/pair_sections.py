@@ -229,7 +229,7 @@ def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
                              "predicted S", "rounds with a proposal", "accepted/round",
                              "break-even accepted/round"], rows))
     blocks.append(("p", "Prompt lookup drafts by copying: the tokens that followed the latest earlier "
-                   "occurrence of the context's last n tokens (docs/design.md §4.9). It costs host time only, "
+                   "occurrence of the context's last n tokens (docs/design.md §4.8). It costs host time only, "
                    "so no draft length is chosen by a model: the fastest timed gamma (its longest proposal) is "
                    "shown, measured (median speedup, 95% CI), with the prediction from the round's timed parts. "
                    "Break-even accepted/round: the draft tokens a round would have to accept for S = 1 at "
