@@ -172,6 +172,37 @@ def test_a_write_that_fails_leaves_the_earlier_file_as_it_was(earlier, monkeypat
     assert path.read_bytes() == before and _no_temp_left(path)
 
 
+FILL_UP = """
+import json, resource, signal, sys
+from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import ResultsStore
+path, meta, limit = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+store = ResultsStore(path, meta)
+store.section("sweeps")["k"]["points"].update({f"{b}x1": {"median_s": 1.0} for b in range(2, 2000)})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write itself fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    store.save()
+except MacMoesdError as err:
+    print(err)
+"""
+
+
+def test_a_write_the_kernel_refuses_midway_leaves_the_earlier_file(earlier):
+    import json
+    import subprocess
+    import sys
+
+    # The kernel stops the new file at a size limit (RLIMIT_FSIZE), partly written, as a disk
+    # that fills during the write does: no function of ours is replaced.
+    path, before = earlier
+    out = subprocess.run([sys.executable, "-c", FILL_UP, str(path), json.dumps(META), str(4096)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "cannot write" in out.stdout and "File too large; an earlier file there is unchanged" in out.stdout
+    assert path.read_bytes() == before and _no_temp_left(path)
+
+
 def test_an_interrupted_write_leaves_the_earlier_file_and_goes_up(earlier, monkeypatch):
     import os
 
