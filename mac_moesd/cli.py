@@ -204,8 +204,9 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 @cli.command(name="spec")
 @click.argument("target")
 @click.option("--draft", required=True,
-              help="Drafter: a model, or prompt-lookup (n-gram drafting from the context, no model; "
-                   "--mode real). Ignored with --mode self-draft.")
+              help="Drafter: a model; prompt-lookup (n-gram drafting from the context, no model; "
+                   "--mode real); or mtp-head (an emulated MTP head on the target, acceptance imposed "
+                   "by --alpha). Ignored with --mode self-draft.")
 @click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4", show_default=True)
 @click.option("--gamma", "gammas", type=NumberList(int, minimum=1), default="2,4", show_default=True,
               help="Draft lengths.")

@@ -404,13 +404,17 @@ def routing_estimate(built, sequences: int, length: int) -> dict:
 
 
 def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_tokens: int,
-                  chunk: int, mlx_lm_batch1: bool) -> dict:
+                  chunk: int, mlx_lm_batch1: bool, mtp_head: bool = False) -> dict:
     """Peak of measured SD at one batch: target and drafter weights, both prefilled caches grown
     to context + new_tokens + gamma (the furthest a round reaches before its trim), the verify
-    forward of gamma + 1 tokens, both logits and rejection sampling. ``draft`` None: self-draft.
-    With ``mlx_lm_batch1``, mlx-lm's own generate loops hold a second pair of batch-1 caches."""
+    forward of gamma + 1 tokens, both logits and rejection sampling. ``draft`` None: self-draft,
+    prompt lookup, or with ``mtp_head`` an MTP head (one of the target's layers, its share of the
+    weights, a 2d x d projection, and one attention layer's cache). With ``mlx_lm_batch1``,
+    mlx-lm's own generate loops hold a second pair of batch-1 caches."""
     db = _dtype_bytes(target)
     shapes = [cache_shape(m) for m in ([target] if draft is None else [target, draft])]
+    if mtp_head:
+        shapes.append(CacheShape(per_slot=kv_bytes_per_slot(target.config, db)))
     prefill = prefill_forwards(context, chunk)
     _, prefill_peak = kv_slots(prefill)
     _, decode_peak = kv_slots(prefill + [new_tokens + gamma])
@@ -425,6 +429,9 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     weights = {"weights": target.footprint.bytes_total}
     if draft is not None:
         weights["draft_weights"] = draft.footprint.bytes_total
+    if mtp_head:
+        dims = target.config["hidden_size"]
+        weights["head_weights"] = target.footprint.bytes_total // target.footprint.layers + 2 * dims * dims * db
     vocab = target.config["vocab_size"]
     named = {"materialise": _materialise(target)}
     if draft is not None:

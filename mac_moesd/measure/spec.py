@@ -50,6 +50,7 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, logit_margin, measure_acceptance
+from mac_moesd.measure.mtp_head import DRAFTER_NAME as MTP_HEAD, MTPHead
 from mac_moesd.measure.prompt_lookup import DRAFTER_NAME as LOOKUP, LookupRule
 from mac_moesd.measure.round_parts import RoundParts, lookup_prediction, round_prediction
 from mac_moesd.measure.spec_audit import audit_configuration
@@ -92,15 +93,18 @@ class SpecConfig:
 
     @property
     def drafter_kind(self) -> str:
-        """``model`` (a draft model), ``self`` (self-draft) or ``prompt-lookup``."""
+        """``model`` (a draft model), ``self`` (self-draft), ``prompt-lookup`` or ``mtp-head``."""
         if self.mode == "self-draft":
             return "self"
-        return "prompt-lookup" if self.draft == LOOKUP else "model"
+        return {LOOKUP: "prompt-lookup", MTP_HEAD: "mtp-head"}.get(self.draft, "model")
 
     def __post_init__(self):
         if self.draft == LOOKUP and self.mode != "real":
             raise BadInput("--draft prompt-lookup proposes real tokens from the context: it runs with "
                            "--mode real only")
+        if self.draft == MTP_HEAD and self.mode != "emulated-acceptance":
+            raise BadInput("--draft mtp-head is an emulated MTP head at the target's dimensions, whose "
+                           "drafts mean nothing: it runs with --mode emulated-acceptance (--alpha) only")
         if self.mode not in MODES:
             raise BadInput(f"--mode must be one of {', '.join(MODES)}")
         if any(not 0 < a < 1 for a in self.alphas):
@@ -407,7 +411,8 @@ def estimate(cfg: SpecConfig, target, draft, context: int | None = None) -> dict
     ``context`` prompt tokens (default ``cfg.context``)."""
     return memory.spec_estimate(target, draft, max(cfg.batches), max(cfg.gammas), context or cfg.context,
                                 cfg.new_tokens, PREFILL_CHUNK,
-                                cfg.drafter_kind == "model" and cfg.mode == "real" and 1 in cfg.batches)
+                                cfg.drafter_kind == "model" and cfg.mode == "real" and 1 in cfg.batches,
+                                mtp_head=cfg.drafter_kind == "mtp-head")
 
 
 def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None = None,
@@ -481,14 +486,17 @@ def recommended_gamma(predictor, batch: int, alpha: float | None, context: float
 
 
 def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: float | None,
-                decoding: float, self_draft: bool) -> dict:
+                decoding: float, self_draft: bool, timed_drafter: bool = False) -> dict:
     """A run's predicted speedup from this stage's own forwards (``measured``) and from the
     fitted model (``model``); ``predicted_speedup`` is the first that exists, ``predicted_from``
-    says which. ``plain_vs_sweep``: the stage's plain step over the sweep's pipelined T_T(B,1)."""
+    says which. ``plain_vs_sweep``: the stage's plain step over the sweep's pipelined T_T(B,1).
+    ``timed_drafter`` (an MTP head, which no sweep times): the model prices the drafter's steps
+    as this stage timed them, the rest of the round as fitted."""
     measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"], run["batch"])
                 if realised is not None and parts.samples else None)
-    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding)
-             if predictor and realised is not None else None)
+    step = {"draft_step": parts.medians()["draft"] / run["gamma"]} if timed_drafter and parts.samples else {}
+    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding, **step)
+             if predictor and realised is not None and (step or not timed_drafter) else None)
     return _prediction_record(run, parts, measured, model, sweep_step)
 
 
@@ -616,7 +624,7 @@ class ConfigurationTimer:
             run.update(lookup_predictions(run, parts, spec_out, self.predictor, self.sweep_step, decoding))
         else:
             run.update(predictions(run, parts, self.predictor, self.sweep_step, realised, decoding,
-                                   cfg.mode == "self-draft"))
+                                   cfg.mode == "self-draft", timed_drafter=cfg.drafter_kind == "mtp-head"))
         if temperature == 0 and cfg.mode != "emulated-acceptance":
             run["greedy_check"] = greedy_check([(s.outputs, p.outputs) for s, p in zip(spec_out, plain_out)],
                                                decoders.greedy_margin(plain_out))
@@ -660,7 +668,9 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes)
     if target.layers < target.layers_full:
         predictor = None  # the fit predicts the full model, not a slice
-    draft_model = None if draft is None else draft.model  # None: prompt lookup
+    # No drafter model: prompt lookup (None), or an MTP head built on the target.
+    draft_model = draft.model if draft is not None else (
+        _head(target.model) if cfg.drafter_kind == "mtp-head" else None)
     accepted_on_set = acceptance_pass(cfg, target.model, draft_model, inputs, vocab)
     timer = ConfigurationTimer(cfg, target.model, draft_model, inputs, vocab, rng, predictor, sweep_step,
                                accepted_on_set)
@@ -678,9 +688,9 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     document = {
         "target": target.source.name,
         # The resolved name (a folder's, not the path given), as keys use it; or the kind's name.
-        "draft": LOOKUP if draft is None else draft.source.name,
+        "draft": draft.source.name if draft is not None else cfg.draft,
         "drafter_kind": cfg.drafter_kind,
-        **({"lookup": cfg.lookup.to_dict()} if draft is None else {}),
+        **({"lookup": cfg.lookup.to_dict()} if cfg.drafter_kind == "prompt-lookup" else {}),
         # With prompts, the prompt tokens prefilled, averaged over the runs (each run has its own).
         "context": context,
         "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
@@ -692,8 +702,8 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         "runs": runs,
         "acceptance": list(accepted_on_set.values()),
         "layers": {"target": target.layers, "target_full": target.layers_full,
-                   "draft": None if draft is None else draft.layers,
-                   "draft_full": None if draft is None else draft.layers_full,
+                   "draft": draft.layers if draft is not None else (1 if draft_model is not None else None),
+                   "draft_full": draft.layers_full if draft is not None else None,
                    "sliced": target.layers < target.layers_full},
         "memory": memory.record(need, available_bytes),
     }
@@ -725,6 +735,13 @@ def _is(run: dict, configuration: tuple) -> bool:
             and (alpha is None or run["alpha"] == alpha))
 
 
+def _head(target) -> MTPHead:
+    """An emulated MTP head on ``target``, its own weights materialised."""
+    head = MTPHead(target)
+    mx.eval(head.parameters())
+    return head
+
+
 def prepare_models(cfg: SpecConfig, available_bytes: int | None):
     """(target, drafter, prompt ids, memory estimate, shared vocabulary) of a spec run, the models
     materialised at the depth that fits; refuses what cannot be measured meaningfully."""
@@ -745,7 +762,7 @@ def prepare_models(cfg: SpecConfig, available_bytes: int | None):
             "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
     memory.start_stage()
     target.materialise()
-    if cfg.drafter_kind == "prompt-lookup":
+    if cfg.drafter_kind in ("prompt-lookup", "mtp-head"):  # no drafter model (the head is built on the target)
         return target, None, inputs, need, target.config["vocab_size"]
     if cfg.mode == "self-draft":
         draft = target

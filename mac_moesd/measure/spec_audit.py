@@ -55,19 +55,22 @@ def _merged(audits: dict[str, dict]) -> dict:
 
 def audit_configuration(decoders, decode: Callable, exact: bool = True) -> dict:
     """Decode once on pair 0's prompt with ``decode(decoder)`` (a ``Decoded``), then audit the
-    models' caches (the target's alone where prompt lookup drafts); ``decoders`` is the
-    configuration's ``spec.Decoders``."""
+    models' caches (the target's alone where prompt lookup or an MTP head drafts); ``decoders``
+    is the configuration's ``spec.Decoders``."""
     decoders.prepare(0)
     d = decoders.current
     models = {"target": (d.target, d.target_cache, d.target_rollback)}
     if d.draft is not None:
         models["draft"] = (d.draft, d.draft_cache, d.draft_rollback)
+    # An MTP head's states come from the target's hidden states, which a replay of the emitted
+    # tokens through the head alone cannot give: its rounds are counted, its cache not compared.
+    replayed = {who: m for who, m in models.items() if not hasattr(m[0], "capture")}
     before = {who: dict(r.applied) for who, (_, _, r) in models.items()}
     out = decode(d)
     rounds = {who: {k: r.applied[k] - before[who][k] for k in APPLIED} for who, (_, _, r) in models.items()}
     emitted = mx.array(out.outputs)
     audits = {"drafter" if who == "draft" else who: _audit(model, caches, d.prompt, emitted, exact)
-              for who, (model, caches, _) in models.items()}
+              for who, (model, caches, _) in replayed.items()}
     used = [name for name in APPLIED if any(r[name] for r in rounds.values())]
     kinds = set(cache_kinds(d.target_cache)) | set(cache_kinds(d.draft_cache))
     record = {"strategy": used[-1] if used else "none", "requested": decoders.rollback,

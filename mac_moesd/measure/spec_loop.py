@@ -101,6 +101,9 @@ class Decoder:
         self.draft_rolled = None if draft is None else RolledBackCache(draft, self.batch, self.context, 0, held)
         self.draft_cache = [] if draft is None else self.draft_rolled.cache
         self.draft_rollback = None if draft is None else Rollback(draft, self.draft_cache, rollback)
+        # An MTP head drafts from the hidden state of the target's verify (``mtp_head.MTPHead``).
+        capture = getattr(draft, "capture", None)
+        self.verifier = target if capture is None else capture(target)
         self.pending = prompt[:, -1:]
 
     def reset(self) -> None:
@@ -149,7 +152,7 @@ class Decoder:
                 draft_logits.append(logits)
             drafts_arr = mx.concatenate(drafts, axis=1)
             self.target_rollback.mark()
-            verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
+            verify = self.verifier(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
             # The target's token at every position: its argmax, or (mlx-lm's rule) its own sample.
             chosen = self.emit(verify, temperature)  # (B, gamma+1)
             # One synchronisation per round: everything the acceptance decision needs.

@@ -120,10 +120,11 @@ def run_prediction(predictor, run: dict, doc: dict) -> float | None:
     """A timed SD run's speedup as ``predictor`` (``speedup_predictor``) gives it at the run's
     realised alpha and context, or the fitted model's as stored with the run when there is no
     predictor or alpha (runs made before ``predicted_by`` stored the model's as
-    ``predicted_speedup``), and for prompt lookup, whose prediction needs the run's verify widths."""
+    ``predicted_speedup``), and for prompt lookup and an MTP head, whose predictions need what the
+    SD stage timed (the verify widths, the head's step)."""
     alpha = run_alpha(run)
-    # A prompt-lookup run's prediction needs its verify widths, which are not stored: as stored.
-    if predictor is None or alpha is None or run.get("drafter_kind") == "prompt-lookup":
+    # A prompt-lookup run's prediction needs its verify widths, an MTP head's its timed step: as stored.
+    if predictor is None or alpha is None or run.get("drafter_kind") in ("prompt-lookup", "mtp-head"):
         return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
     return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
 
@@ -143,18 +144,22 @@ def sweep_plain_step(data: dict, model: str):
     return step
 
 
-def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY):
-    """A function (batch, gamma, alpha, self_draft, context) -> predicted S from a stored fit
-    document's chosen variant, or None when the fit had no drafter to predict speedups with.
+def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY, drafter: bool = True):
+    """A function (batch, gamma, alpha, self_draft, context, draft_step=None) -> predicted S from a
+    stored fit document's chosen variant, or None when the fit had no drafter to predict speedups
+    with. ``drafter=False``: for a drafter timed elsewhere (an MTP head), whose ``draft_step`` the
+    caller passes, so the fit needs none; the fit's rejection sampling then stands as fitted
+    (held at 0 by a fit without a drafter sweep).
 
     The KV term is taken at the context passed in (the SD run's own), not the fit's.
     """
-    if not fit_doc.get("drafted") or "chosen" not in fit_doc:
+    if (drafter and not fit_doc.get("drafted")) or "chosen" not in fit_doc:
         return None
     model = FittedModel.from_document(fit_doc)
 
-    def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool, context: int) -> float:
-        return float(model.speedup(batch, gamma, alpha, context, verify, self_draft)[()])
+    def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool, context: int,
+                    draft_step: float | None = None) -> float:
+        return float(model.speedup(batch, gamma, alpha, context, verify, self_draft, draft_step=draft_step)[()])
 
     return predict_one
 

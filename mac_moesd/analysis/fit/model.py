@@ -72,12 +72,14 @@ class FittedModel:
         return np.where((n == 1) & (here > 0), here, curve)
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
-                self_draft: bool = False, comm: bool = True) -> np.ndarray:
+                self_draft: bool = False, comm: bool = True, draft_step: float | None = None) -> np.ndarray:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
-        (``pipelining``); a self-draft's step is the target's."""
+        (``pipelining``); a self-draft's step is the target's; ``draft_step``: a drafter step
+        timed elsewhere (an MTP head's, as the SD stage chained it), in place of the fitted T_D."""
         sigma = theory.normalised_acceptance(alpha, gamma)
-        plain, verify_t, draft, reject = self.step_times(batch, gamma, context, verify, self_draft, comm)
-        rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm)
+        plain, verify_t, draft, reject = self.step_times(batch, gamma, context, verify, self_draft, comm,
+                                                         draft_step)
+        rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
         return theory.speedup(sigma, gamma, plain, verify_t, draft, reject + rollback)
 
     def lookup_speedup(self, batch: int, widths, tokens_per_round: float, lookup_s: float,
@@ -94,7 +96,7 @@ class FittedModel:
         return tokens_per_round * plain / (lookup_s + verify + rollback)
 
     def rollback_time(self, batch, gamma: int, alpha: float, context: int, self_draft: bool = False,
-                      comm: bool = True) -> np.ndarray:
+                      comm: bool = True, drafter_trims: bool = False) -> np.ndarray:
         """A round's rollback, averaged over rounds: where a model re-forwards (``reforward``), the
         chance that it rolls back times a forward of the tokens it keeps
         (``theory.kept_on_rollback``). The target forwarded gamma + 1 tokens, so it rolls back
@@ -103,13 +105,14 @@ class FittedModel:
         exactly the kept tokens (``Rollback.undo`` does nothing): it rolls back with the chance for
         gamma - 1 drafts, and re-forwards about one step (a few tokens through a small drafter;
         the target's T_T of its kept tokens when it drafts for itself). Trims and window cuts
-        cost nothing the fit can see."""
+        cost nothing the fit can see, nor does ``drafter_trims``' drafter (an MTP head's one
+        attention layer)."""
         zero = np.zeros_like(np.asarray(batch, dtype=float))
         target = drafter = zero
         if "target" in self.reforward:
             kept = theory.kept_on_rollback(alpha, gamma, batch)
             target = theory.rollback_probability(alpha, gamma, batch) * self.target(batch, kept, context, comm=comm)
-        if "draft" in self.reforward or (self_draft and "target" in self.reforward):
+        if not drafter_trims and ("draft" in self.reforward or (self_draft and "target" in self.reforward)):
             kept = theory.kept_on_rollback(alpha, gamma - 1, batch)
             step = (self.target(batch, kept, context, comm=comm) if self_draft
                     else self.params.draft_time(batch, self.ridge_tokens))
@@ -117,14 +120,18 @@ class FittedModel:
         return target + drafter
 
     def step_times(self, batch, gamma: int, context: int, verify: str = DEFAULT_VERIFY,
-                   self_draft: bool = False, comm: bool = True) -> tuple[np.ndarray, ...]:
+                   self_draft: bool = False, comm: bool = True,
+                   draft_step: float | None = None) -> tuple[np.ndarray, ...]:
         """(plain step, verify forward, mean draft step, rejection sampling) of a round, each as
-        the loops run it; a round costs gamma draft steps + the verify + rejection sampling."""
-        if not self.drafted:
+        the loops run it; a round costs gamma draft steps + the verify + rejection sampling.
+        ``draft_step``: the drafter's step as timed elsewhere, which needs no fitted drafter."""
+        if not self.drafted and draft_step is None:
             raise MacMoesdError(NO_DRAFT)
         plain = self.target(batch, 1, context, pipelined=True, comm=comm)
         verify_t = self.target(batch, verify_tokens(gamma, verify), context, pipelined=True, comm=comm)
-        if self_draft:
+        if draft_step is not None:
+            draft = draft_step
+        elif self_draft:
             draft = pipelining.draft_step(self.target(batch, 1, context, comm=comm),
                                           self.pipelining.target_s, gamma)
         else:
