@@ -337,7 +337,10 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
                    "in the local cache), measured with its weights as stored; needs --draft.")
 @click.option("--draft", default=None,
               help="The drafter for --target: a model (same tokenizer), prompt-lookup (n-gram drafting, "
-                   "no model), or both comma-separated, each measured on the same prompts.")
+                   "no model), mtp-head (an emulated MTP head at the target's dimensions, acceptance "
+                   "imposed by --alpha), or several comma-separated, each measured on the same prompts.")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+              help="With --draft mtp-head: the acceptance its runs impose [default: 0.7].")
 @click.option("--prompts", "prompt_sets", default=None,
               help="With --target (or a cached pair): comma-separated prompt sets for SD and routing: "
                    "code, chat, edit, quote, or a FILE (blank-line-separated prompts, or JSONL with a 'prompt' "
@@ -352,7 +355,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
               help="Also measure mlx_lm.server on the pair at several concurrencies (see `mac-moesd serving`).")
 @rollback_option
 @json_option
-def run_command(quick, full, models, target, draft, prompt_sets, out, memory_limit, dry_run, chip,
+def run_command(quick, full, models, target, draft, alpha, prompt_sets, out, memory_limit, dry_run, chip,
                 memory_gib, ranks, parallel, link_gbps, serving, rollback, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
 
@@ -368,6 +371,11 @@ def run_command(quick, full, models, target, draft, prompt_sets, out, memory_lim
 
     options = replace(run_options(quick, full, models, target, draft, prompt_sets, dry_run, chip, memory_gib, ranks,
                                   serving, parallel is not None or link_gbps is not None), rollback=rollback)
+    if alpha is not None:
+        if "mtp-head" not in options.drafts:
+            raise click.UsageError("--alpha sets the acceptance an MTP head's runs impose: use it with --draft "
+                                   "...,mtp-head (other drafters' acceptance is measured)")
+        options = replace(options, alpha=alpha)
     if dry_run:
         cluster = (ranks, parallel or "tensor", link_gbps) if ranks > 1 else None
         emit(commands.dry_run(options, out, memory_limit, chip, memory_gib, cluster), as_json, render_plan)

@@ -358,15 +358,19 @@ def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tin
 
 
 @pytest.mark.slow
-def test_a_drafter_model_and_prompt_lookup_are_measured_on_the_same_prompts_and_compared(
+def test_a_drafter_model_prompt_lookup_and_an_mtp_head_are_measured_on_the_same_prompts_and_compared(
         tmp_path, tiny_grid, tiny_pair):
     target, draft = tiny_pair
-    result, folder = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup", "--prompts", "edit")
+    result, folder = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup,mtp-head", "--prompts", "edit",
+                                  "--alpha", "0.8")
     assert result.exit_code == 0, result.stderr
     data = json.loads((folder / "results.json").read_text())
     md = (folder / "report.md").read_text()
-    assert set(data["pairs"]) == {"target|draft", "target|prompt-lookup"}
-    assert set(data["spec"]) == {"target|draft|real|edit", "target|prompt-lookup|real|edit"}
+    assert set(data["pairs"]) == {"target|draft", "target|prompt-lookup", "target|mtp-head"}
+    assert set(data["spec"]) == {"target|draft|real|edit", "target|prompt-lookup|real|edit",
+                                 "target|mtp-head|emulated-acceptance|edit"}
+    head = data["spec"]["target|mtp-head|emulated-acceptance|edit"]
+    assert head["valid"] and {r["alpha"] for r in head["runs"]} == {0.8} and head["temperatures"] == [0.0]
     # one routing, one sweep (with the drafter model's step) and one fit serve both drafters
     assert data["pairs"]["target|prompt-lookup"]["sweep_routing"] == data["pairs"]["target|draft"]["sweep_routing"]
     assert [e["model"] for e in data["sweeps"].values()] == ["target"] and data["fits"]["target"]["drafted"]
@@ -374,8 +378,10 @@ def test_a_drafter_model_and_prompt_lookup_are_measured_on_the_same_prompts_and_
     assert lookup["valid"] and lookup["drafter_kind"] == "prompt-lookup"
     assert all(r["engine"].startswith("mac-moesd loop") and r["lookup"]["proposal_rate"] > 0 for r in lookup["runs"])
     for section in ("## Which drafter for target", "## Your pair: target with draft",
-                    "## Your pair: target with prompt-lookup", "### Verdict for prompt lookup"):
+                    "## Your pair: target with prompt-lookup", "### Verdict for prompt lookup",
+                    "### Verdict for an MTP head (acceptance imposed)"):
         assert section in md
+    assert "| MTP head (mtp-head), alpha imposed at 0.80 |" in md
     # The lead names the faster kind at batch 1, temperature 0, as measured.
     speeds = {kind: max(r["measured_speedup"] for r in data["spec"][key]["runs"]
                         if r["batch"] == 1 and r["temperature"] == 0)
@@ -385,7 +391,8 @@ def test_a_drafter_model_and_prompt_lookup_are_measured_on_the_same_prompts_and_
     assert f"On edit at temperature 0, batch 1: **{fastest} is fastest**, {speeds[fastest]:.2f} [" in md
 
     # Resumable: a rerun measures nothing again.
-    result, _ = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup", "--prompts", "edit")
+    result, _ = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup,mtp-head", "--prompts", "edit",
+                             "--alpha", "0.8")
     assert result.exit_code == 0, result.stderr
     assert json.loads((folder / "results.json").read_text())["spec"] == data["spec"]
 

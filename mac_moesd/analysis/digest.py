@@ -11,7 +11,7 @@ from functools import cached_property
 
 from mac_moesd.analysis import theory
 from mac_moesd.analysis.depth import full_depth_points
-from mac_moesd.results import parse_point_key, spec_key
+from mac_moesd.results import pair_spec_key, parse_point_key
 
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
@@ -230,7 +230,8 @@ class Digest:
     def pair_spec(self, pair: dict) -> dict[str, dict]:
         """A pair's real-mode SD documents by prompt set, as `run --target` stores them."""
         stored = self.data.get("spec", {})
-        keys = {s: spec_key(pair["target"], pair["draft"], "real", s) for s in pair["prompt_sets"]}
+        kind = pair.get("drafter_kind", "model")
+        keys = {s: pair_spec_key(pair["target"], pair["draft"], kind, s) for s in pair["prompt_sets"]}
         return {s: stored[k] for s, k in keys.items() if k in stored}
 
     def draft_entry(self, name: str, context: int | None = None) -> dict | None:

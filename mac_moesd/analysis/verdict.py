@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mac_moesd.analysis import break_even, spec_runs, theory
+from mac_moesd.analysis import acceptance, break_even, spec_runs, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
 __all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term", "fastest_run",
-           "break_even_accepted", "lookup_rows", "measured_answer", "round_cost", "timed_run", "verdict_rows"]
+           "break_even_accepted", "break_even_alpha", "lookup_rows", "measured_answer", "round_cost", "timed_run", "verdict_rows"]
 
 GAMMAS = tuple(range(1, 9))
 TERMS = ("drafter cost", "verify cost", "acceptance")
@@ -184,6 +184,16 @@ def break_even_accepted(run: dict) -> float | None:
     if run.get("mean_accepted") is None:
         return None
     return (run["mean_accepted"] + 1) / run["measured_speedup"] - 1
+
+
+def break_even_alpha(run: dict) -> float | None:
+    """The acceptance at which a timed run's round would give S = 1 at its measured cost: the
+    alpha whose expected tokens per round (``theory.expected_tokens_per_round``) equal the round's
+    cost in plain steps, (accepted + 1) / S; None where even every draft accepted would not pay."""
+    needed = break_even_accepted(run)
+    if needed is None or needed >= run["gamma"]:
+        return None
+    return float(acceptance.solve_alpha(max(needed, 0.0), run["gamma"]))
 
 
 def lookup_rows(runs: list[dict], prompt_set: str, batches: tuple[int, ...]) -> list[dict]:

@@ -228,11 +228,12 @@ class RunOptions:
     full: bool = False
     models: tuple[str, ...] = ()  # --models
     target: str | None = None
-    drafts: tuple[str, ...] = ()  # --draft: a drafter model and/or prompt-lookup
+    drafts: tuple[str, ...] = ()  # --draft: a drafter model, prompt-lookup, mtp-head
     prompt_sets: tuple[str, ...] = plans.PROMPT_SETS
     prompts_given: bool = False  # --prompts was given
     serving: bool = False
     rollback: str = "auto"  # --rollback
+    alpha: float = 0.7  # --alpha: the acceptance an MTP head's runs impose
 
 
 @dataclass
@@ -254,7 +255,7 @@ def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Pr
     chosen = None
     if options.target:
         chosen = plans.pair_plans(machine.backend, options.quick, options.target, options.drafts,
-                                  options.prompt_sets)
+                                  options.prompt_sets, alpha=options.alpha)
     elif machine.backend == "cpu" and options.prompts_given:
         raise BadInput("--prompts needs --target and --draft here (the cached-pair search runs on a GPU only)")
     elif machine.backend != "cpu" and not options.models and not options.full:
@@ -315,7 +316,8 @@ def dry_run(options: RunOptions, out: Path | None, memory_limit: float | None, c
     backend, name, total, usable, rates = _planned_machine(chip, memory_gib, memory_limit, out)
     found = None
     if options.target:
-        found = plans.pair_plans(backend, options.quick, options.target, options.drafts, options.prompt_sets)
+        found = plans.pair_plans(backend, options.quick, options.target, options.drafts, options.prompt_sets,
+                                 alpha=options.alpha)
     elif not chip and backend != "cpu" and not options.models and not options.full:
         found, _ = plans.find_default_pair(backend, options.quick, usable.usable_bytes)  # as `run` would
         found = found and [found]

@@ -259,10 +259,16 @@ def _prefills(t, d, rates: Rates, batch: int, context: int) -> float:
 
 def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec.SpecConfig) -> tuple[float, float]:
     """Plain decode and SD of ``cfg.new_tokens`` tokens per sequence: (plain, SD) seconds; ``d``
-    None: prompt lookup, whose drafting costs host time only (not counted)."""
+    None: prompt lookup, whose drafting costs host time only (not counted), or an MTP head, one
+    of the target's layers a step (its share of a target step)."""
     plain = cfg.new_tokens * forward_seconds(t, rates, batch, 1, cfg.context)
     rounds = math.ceil(cfg.new_tokens / float(theory.expected_tokens_per_round(alpha, gamma)))
-    drafting = 0.0 if d is None else gamma * forward_seconds(d, rates, batch, 1, cfg.context)
+    if d is not None:
+        drafting = gamma * forward_seconds(d, rates, batch, 1, cfg.context)
+    elif cfg.drafter_kind == "mtp-head":
+        drafting = gamma * forward_seconds(t, rates, batch, 1, cfg.context) / t.layers
+    else:
+        drafting = 0.0
     sd = rounds * (drafting + forward_seconds(t, rates, batch, gamma + 1, cfg.context))
     return plain, sd
 
@@ -272,37 +278,35 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
     pass (SD after each of its first ``max_prompts`` prompts, plain too at temperature 0 for the
     greedy check), then the timed runs (a prefill of the next prompts for each pair), at every
     temperature, over the prompts' mean length in tokens. Acceptance is unknown before the run:
-    PAIR_ALPHA stands in. A pair that fits only as slices is refused, as the run refuses it."""
-    plan, dtype, usable, rates = pair.base, sizing.dtype, sizing.usable_bytes, sizing.rates
-    cfg = spec.SpecConfig(target=pair.target_arg, draft=pair.draft_arg, batches=plan.spec_batches,
-                          gammas=plan.spec_gammas, mode="real", context=plan.context,
-                          new_tokens=plan.spec_tokens, repeats=plan.spec_repeats, budget_s=plan.spec_budget_s,
-                          prompts=prompt_set, temperatures=pair.temperatures, max_prompts=pair.max_prompts,
-                          stop_when_decided=plan.spec_stop_when_decided)
-    lookup = pair.drafter_kind == "prompt-lookup"
+    PAIR_ALPHA stands in (an MTP head's runs impose theirs, with no acceptance pass). A pair that
+    fits only as slices is refused, as the run refuses it."""
+    dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
+    cfg = pair.spec_config(prompt_set)
+    modelless = pair.drafter_kind != "model"  # prompt lookup, or an MTP head on the target
     ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg),
-                          None if lookup else models.resolve(pair.draft_arg)).ids
+                          None if modelless else models.resolve(pair.draft_arg)).ids
     t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
     if t.layers < t.layers_full:
         raise MacMoesdError(f"{pair.target} and its drafter fit only as slices of their layers, which a "
                             "real pair's SD run refuses")
     cfg = replace(cfg, context=round(sum(map(len, ids)) / len(ids)))
-    passed = len(ids[: pair.max_prompts])
-    seconds = materialise_seconds(t, rates) + (0.0 if lookup else materialise_seconds(d, rates))
+    passed = len(ids[: pair.max_prompts]) if cfg.mode == "real" else 0
+    alpha = PAIR_ALPHA if cfg.mode == "real" else cfg.alphas[0]
+    seconds = materialise_seconds(t, rates) + (0.0 if modelless else materialise_seconds(d, rates))
     for temperature in cfg.temperatures:
         for gamma in cfg.gammas:
-            plain, sd = _decodes(t, d, rates, 1, gamma, PAIR_ALPHA, cfg)
+            plain, sd = _decodes(t, d, rates, 1, gamma, alpha, cfg)
             seconds += passed * (_prefills(t, d, rates, 1, cfg.context) + sd + (plain if temperature == 0 else 0.0))
         for gamma in (*cfg.gammas, max(cfg.gammas)):  # and the fit's recommendation, if another
             for batch in cfg.batches:
-                seconds += _configuration_seconds(cfg, *_decodes(t, d, rates, batch, gamma, PAIR_ALPHA, cfg),
+                seconds += _configuration_seconds(cfg, *_decodes(t, d, rates, batch, gamma, alpha, cfg),
                                                   prefill=_prefills(t, d, rates, batch, cfg.context))
     return {"stage": f"spec {pair.target} on {prompt_set}",
-            "models": [pair.target_arg] + ([] if lookup else [pair.draft_arg]),
-            "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": None if lookup else d.layers,
+            "models": [pair.target_arg] + ([] if modelless else [pair.draft_arg]),
+            "layers": [t.layers], "layers_full": t.layers_full, "draft_layers": None if modelless else d.layers,
             "grid": {"batch": list(cfg.batches), "gamma": list(cfg.gammas),
                      "temperature": list(cfg.temperatures)},
-            "acceptance_prompts": passed, "alpha_assumed": PAIR_ALPHA,
+            **({"acceptance_prompts": passed, "alpha_assumed": PAIR_ALPHA} if passed else {"alpha_imposed": alpha}),
             "context": cfg.context, "peak_bytes": need["peak_bytes"], "eta_s": seconds,
             **({"assumes": SD_STOP_ASSUMED} if cfg.stop_when_decided else {})}
 

@@ -31,7 +31,7 @@ from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.pipeline.stages import roofline_stage, sweep_config
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, spec_key
+from mac_moesd.results import ResultsStore, pair_spec_key
 
 __all__ = ["as_swept", "pair_stages", "run_pair", "sweep_routing"]
 
@@ -179,31 +179,29 @@ def fit_target(plan: PairPlan, store: ResultsStore) -> None:
 
 
 def _spec(plan: PairPlan, prompt_set: str) -> Stage:
-    """SD with the drafter's own tokens on one prompt set, beside the fit's predictions."""
-    base, key = plan.base, spec_key(plan.target, plan.draft, "real", prompt_set)
-    lookup = plan.drafter_kind == "prompt-lookup"
+    """SD on one prompt set, beside the fit's predictions: with the drafter's own tokens, or an
+    MTP head's with acceptance imposed (``schema.PAIR_MODES``)."""
+    kind = plan.drafter_kind
+    key = pair_spec_key(plan.target, plan.draft, kind, prompt_set)
+    lookup = kind == "prompt-lookup"
 
     def work(ctx: Context) -> None:
         data = ctx.store.data
         fitted = data.get("fits", {}).get(plan.target)
         if fitted is None:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
-        predictor = fit.lookup_predictor(fitted) if lookup else fit.speedup_predictor(fitted)
-        cfg = spec.SpecConfig(target=plan.target_arg, draft=plan.draft_arg, batches=base.spec_batches,
-                              gammas=base.spec_gammas, mode="real", context=base.context,
-                              new_tokens=base.spec_tokens, repeats=base.spec_repeats,
-                              budget_s=base.spec_budget_s, prompts=prompt_set,
-                              temperatures=plan.temperatures, max_prompts=plan.max_prompts, rollback=base.rollback,
-                              stop_when_decided=base.spec_stop_when_decided)
-        document = spec.run_spec(cfg, predictor, ctx.usable_bytes,
+        predictor = (fit.lookup_predictor(fitted) if lookup
+                     else fit.speedup_predictor(fitted, drafter=kind == "model"))
+        document = spec.run_spec(plan.spec_config(prompt_set), predictor, ctx.usable_bytes,
                                  fit.sweep_plain_step(as_swept(data, plan), plan.target))
         ctx.store.put("spec", key, document)
         spec.require_valid(document)
 
-    label = f"spec {plan.target} on {prompt_set}" + (" by prompt lookup" if lookup else "")
+    label = f"spec {plan.target} on {prompt_set}" + {"prompt-lookup": " by prompt lookup",
+                                                      "mtp-head": " by an MTP head"}.get(kind, "")
     return Stage(label, work, done=lambda data: spec.stored_and_valid(data, key),
                  estimate=lambda sizing: {**estimate.pair_spec_stage(plan, prompt_set, sizing), "stage": label},
-                 models=(plan.target_arg,) + ((plan.draft_arg,) if not lookup else ()))
+                 models=(plan.target_arg,) + ((plan.draft_arg,) if kind == "model" else ()))
 
 
 def _serving(plan: PairPlan, template) -> Stage:

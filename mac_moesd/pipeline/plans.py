@@ -10,14 +10,16 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.measure import roofline, spec, timing
+from mac_moesd.measure.mtp_head import DRAFTER_NAME as MTP_HEAD
 from mac_moesd.measure.prompt_lookup import DRAFTER_NAME as LOOKUP
+from mac_moesd.results.schema import PAIR_MODES
 from mac_moesd.units import human_bytes
 
 __all__ = ["PROMPT_SETS", "PairPlan", "Plan", "default_plan", "find_default_pair", "pair_plan", "pair_plans",
            "with_models"]
 
 PROMPT_SETS = ("code", "chat")
-MTP_HEAD = "mtp-head"  # a drafter kind users ask for, refused by name (not measured by this version)
+KINDS = {LOOKUP: "prompt-lookup", MTP_HEAD: "mtp-head"}  # the drafters --draft names without a model
 TEMPERATURES = (0.0, 1.0)
 QUICK_PROMPTS = 10
 
@@ -105,6 +107,7 @@ class PairPlan:
     routing_length: int = 16  # tokens per routed sequence, one per prompt: prompts are short
     found: str = "given on the command line"
     max_prompts: int | None = None  # prompts per set the acceptance pass decodes (None: all)
+    alpha: float = 0.7  # the acceptance an MTP head's runs impose (run --alpha)
 
     @property
     def target_arg(self) -> str:
@@ -113,11 +116,23 @@ class PairPlan:
     @property
     def draft_arg(self) -> str:
         """What SD is given as its drafter: the model as the command line named it, or the kind."""
-        return LOOKUP if self.draft == LOOKUP else self.base.draft
+        return self.draft if self.draft in KINDS else self.base.draft
 
     @property
     def drafter_kind(self) -> str:
-        return "prompt-lookup" if self.draft == LOOKUP else "model"
+        return KINDS.get(self.draft, "model")
+
+    def spec_config(self, prompt_set: str) -> spec.SpecConfig:
+        """The SD stage of this drafter on one prompt set: with its own drafts at the pair's
+        temperatures, or an MTP head's with ``alpha`` imposed (``schema.PAIR_MODES``)."""
+        base, mode = self.base, PAIR_MODES.get(self.drafter_kind, "real")
+        return spec.SpecConfig(target=self.target_arg, draft=self.draft_arg, batches=base.spec_batches,
+                               gammas=base.spec_gammas, mode=mode, context=base.context,
+                               new_tokens=base.spec_tokens, repeats=base.spec_repeats, budget_s=base.spec_budget_s,
+                               prompts=prompt_set, alphas=(self.alpha,),
+                               temperatures=self.temperatures if mode == "real" else (0.0,),
+                               max_prompts=self.max_prompts, rollback=base.rollback,
+                               stop_when_decided=base.spec_stop_when_decided)
 
     @property
     def draft_model(self) -> str | None:
@@ -132,20 +147,19 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
 
 
 def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
-               prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line") -> list[PairPlan]:
+               prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line",
+               alpha: float = 0.7) -> list[PairPlan]:
     """The default run's grids and budgets for this backend, on ``target`` with each of ``drafts``
-    (a drafter model, at most one, and ``prompt-lookup``), one plan per drafter sharing the grids,
+    (a drafter model, at most one, ``prompt-lookup`` and ``mtp-head``, whose runs impose
+    ``alpha``), one plan per drafter sharing the grids,
     weights as stored (no quantization of our own). Refuses, before anything is built, a model
     without weights, a target that is not an MoE model and a prompt set that cannot be read.
     (Embedding tables padded to different sizes under one tokenizer are fine; the SD stage checks
     that both models tokenise the prompts alike.)"""
-    drafter_models = [d for d in dict.fromkeys(drafts) if d != LOOKUP]
+    drafter_models = [d for d in dict.fromkeys(drafts) if d not in KINDS]
     if len(drafter_models) > 1:
         raise BadInput(f"--draft names {len(drafter_models)} drafter models: a run fits one drafter's step "
-                       "(name one model, and prompt-lookup beside it if you like)")
-    if MTP_HEAD in drafter_models:
-        raise BadInput("--draft mtp-head: MTP heads are not measured by this version (prompt-lookup and "
-                       "a drafter model are)")
+                       "(name one model, and prompt-lookup or mtp-head beside it if you like)")
     draft = drafter_models[0] if drafter_models else None
     target_source = models.resolve(target)
     draft_source = models.resolve(draft) if draft else None
@@ -164,9 +178,9 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))
     # --quick: the untimed acceptance pass decodes the first 10 prompts of each set (a third of
     # a built-in set); the timed runs still cycle through all of them.
-    names = [LOOKUP if d == LOOKUP else draft_source.name for d in dict.fromkeys(drafts)]
+    names = [d if d in KINDS else draft_source.name for d in dict.fromkeys(drafts)]
     return [PairPlan(base, target_source.name, name, tuple(prompt_sets), found=found,
-                     max_prompts=QUICK_PROMPTS if quick else None) for name in names]
+                     max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha) for name in names]
 
 
 def fits_in_memory(plan: Plan, usable_bytes: int) -> Callable[[str, str], str | None]:

@@ -627,6 +627,8 @@ def render_plan(doc: dict) -> str:
         if "alpha_assumed" in s:
             lines.append(f"  acceptance pass over {s['acceptance_prompts']} prompts per gamma and temperature; "
                          f"ETA at alpha {s['alpha_assumed']:g} (unknown before the run)")
+        if "alpha_imposed" in s:
+            lines.append(f"  an emulated MTP head, acceptance imposed at {s['alpha_imposed']:g}")
         if s.get("assumes"):
             lines.append(f"  ETA assumes {s['assumes']}")
         for r in s.get("ranks", []):

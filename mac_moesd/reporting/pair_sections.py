@@ -79,6 +79,9 @@ def _engines(p: dict) -> str:
     if p.get("drafter_kind") == "prompt-lookup":
         return ("(every batch with the suite's loop, drafted by prompt lookup from each sequence's own "
                 "context: mlx-lm has no prompt lookup)")
+    if p.get("drafter_kind") == "mtp-head":
+        return ("(every batch with the suite's loop, drafted by an emulated MTP head on the target: one of "
+                "its decoder layers fed its last hidden state, with the target's LM head; acceptance imposed)")
     return ("(batch 1 with mlx-lm's `speculative_generate_step`, larger batches with the suite's loop "
             "driven by the drafter)")
 
@@ -240,9 +243,44 @@ def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
     return blocks
 
 
+def _imposed_verdict(p: dict, docs: dict[str, dict]) -> list:
+    """The verdict of an MTP head, timed at an imposed acceptance: what it would need to accept."""
+    blocks = [("h3", "Verdict for an MTP head (acceptance imposed)")]
+    if not docs:
+        return blocks + [("p", "No verdict: measured SD on the prompt sets is missing (the skipped stages above "
+                               "say why); rerun the same command to retry them.")]
+    rows, lines = [], []
+    for prompt_set, doc in docs.items():
+        for batch in sorted({1, max(p["spec_batches"])}):
+            run = verdict.fastest_run(doc["runs"], batch, 0.0)
+            if run is None:
+                continue
+            needed = verdict.break_even_alpha(run)
+            rows.append([prompt_set, str(batch), str(run["gamma"]), f"{run['alpha']:.2f}", measured_speedup(run),
+                         "-" if run.get("predicted_speedup") is None else f"{run['predicted_speedup']:.2f}",
+                         "never" if needed is None else f"{needed:.2f}"])
+            if batch == 1:
+                pays = ("no acceptance would pay off" if needed is None
+                        else f"it pays off above acceptance {needed:.2f}")
+                lines.append(f"On {prompt_set} at batch 1, gamma {run['gamma']}: **at imposed acceptance "
+                             f"{run['alpha']:.2f}, {measured_speedup(run)}**; {pays}.")
+    blocks.append(("list", lines))
+    blocks.append(("table", ["prompt set", "B", "fastest gamma", "imposed alpha", "measured S", "predicted S",
+                             "break-even alpha"], rows))
+    blocks.append(("p", "The MTP head here is emulated: one decoder layer at the target's dimensions fed the "
+                   "target's last hidden state, with the target's LM head (docs/design.md §4.9), its drafts "
+                   "accepted with the imposed probability; so its row measures what MTP drafting costs, not "
+                   "how often a trained head is right. Break-even alpha: the acceptance at which S = 1 at the "
+                   "round's measured cost (the round costs (accepted + 1) / S plain steps; the alpha whose "
+                   "expected tokens per round equal that)."))
+    return blocks
+
+
 def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     if p.get("drafter_kind") == "prompt-lookup":
         return _lookup_verdict(p, docs)
+    if p.get("drafter_kind") == "mtp-head":
+        return _imposed_verdict(p, docs)
     blocks = [("h3", "Verdict for this pair")]
     fitted = d.fit_of(p["target"])
     if fitted is None or not fitted.get("drafted") or not docs:
@@ -369,13 +407,48 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
                        "pair (dashed: equal).")] if "measured_vs_predicted" in figures else [])
 
 
-KIND_NAMES = {"model": "drafter model", "prompt-lookup": "prompt lookup", "self": "self-draft"}
+KIND_NAMES = {"model": "drafter model", "prompt-lookup": "prompt lookup", "self": "self-draft",
+              "mtp-head": "MTP head"}
+
+
+def _compared(where: tuple[str, float, int], fastest: dict[str, dict], kinds: dict[str, str],
+              imposed: set[str]) -> tuple[list[list[str]], str | None]:
+    """The comparison table's rows at one (prompt set, temperature, batch), the kinds whose
+    acceptance was measured ranked by measured S and those timed at an imposed acceptance after
+    them, unranked; and, at batch 1, the lead sentence."""
+    prompt_set, temperature, batch = where
+    ranked = sorted((k for k in fastest if k not in imposed), key=lambda k: -fastest[k]["measured_speedup"])
+    rows = []
+    for draft in ranked + [k for k in fastest if k in imposed]:
+        run = fastest[draft]
+        needed = verdict.break_even_accepted(run)
+        label = f"{kinds[draft]} ({draft})" + (f", alpha imposed at {run['alpha']:.2f}" if draft in imposed else "")
+        rows.append([prompt_set, f"{temperature:g}", str(batch), label, str(run["gamma"]), measured_speedup(run),
+                     verdict.measured_answer(run),
+                     "-" if run.get("mean_accepted") is None else f"{run['mean_accepted']:.2f}",
+                     "-" if needed is None else f"{needed:.2f}",
+                     "imposed" if draft in imposed else ("best" if draft == ranked[0] else "")])
+    if batch != 1:
+        return rows, None
+    parts = []
+    if ranked:
+        best = fastest[ranked[0]]
+        others = ", ".join(f"{kinds[k]} {fastest[k]['measured_speedup']:.2f}" for k in ranked[1:])
+        parts.append(f"**{kinds[ranked[0]]} is fastest**, {measured_speedup(best)} "
+                     f"({verdict.measured_answer(best)})" + (f"; then {others}" if others else ""))
+    for draft in (k for k in fastest if k in imposed):
+        needed = verdict.break_even_alpha(fastest[draft])
+        parts.append(f"an {kinds[draft]} would pay off above acceptance {needed:.2f}" if needed is not None
+                     else f"an {kinds[draft]} would not pay off at any acceptance")
+    return rows, f"On {prompt_set} at temperature {temperature:g}, batch 1: " + "; ".join(parts) + "."
 
 
 def drafter_blocks(d: Digest) -> list:
     """Where a target was measured with several kinds of drafter on the same prompts: each kind's
     fastest measured S per prompt set, temperature and batch, the best kind first, and what the
-    others would need to accept per round to pay off (from their rounds' timed cost)."""
+    others would need to accept per round to pay off (from their rounds' measured cost). Kinds
+    timed at an imposed acceptance (an MTP head) are never ranked against measured ones: for them,
+    the acceptance they would need."""
     blocks = []
     by_target: dict[str, list[dict]] = {}
     for p in d.pairs:
@@ -386,8 +459,8 @@ def drafter_blocks(d: Digest) -> list:
         rows, lines = [], []
         docs = {p["draft"]: d.pair_spec(p) for p in pairs}
         kinds = {p["draft"]: KIND_NAMES.get(p.get("drafter_kind", "model"), "drafter model") for p in pairs}
-        sets = dict.fromkeys(s for p in pairs for s in p["prompt_sets"])
-        for prompt_set in sets:
+        imposed = {p["draft"] for p in pairs if p.get("drafter_kind") == "mtp-head"}
+        for prompt_set in dict.fromkeys(s for p in pairs for s in p["prompt_sets"]):
             temperatures = sorted({r.get("temperature", 0) for sd in docs.values() if prompt_set in sd
                                    for r in sd[prompt_set]["runs"]})
             for temperature in temperatures:
@@ -395,30 +468,20 @@ def drafter_blocks(d: Digest) -> list:
                     fastest = {draft: verdict.fastest_run(sd[prompt_set]["runs"], batch, temperature)
                                for draft, sd in docs.items() if prompt_set in sd}
                     fastest = {k: v for k, v in fastest.items() if v is not None}
-                    if not fastest:
-                        continue
-                    ranked = sorted(fastest, key=lambda k: -fastest[k]["measured_speedup"])
-                    for rank, draft in enumerate(ranked):
-                        run = fastest[draft]
-                        needed = verdict.break_even_accepted(run)
-                        rows.append([prompt_set, f"{temperature:g}", str(batch), f"{kinds[draft]} ({draft})",
-                                     str(run["gamma"]), measured_speedup(run), verdict.measured_answer(run),
-                                     "-" if run.get("mean_accepted") is None else f"{run['mean_accepted']:.2f}",
-                                     "-" if needed is None else f"{needed:.2f}", "best" if rank == 0 else ""])
-                    if batch == 1:
-                        best = fastest[ranked[0]]
-                        others = ", ".join(f"{kinds[k]} {fastest[k]['measured_speedup']:.2f}" for k in ranked[1:])
-                        lines.append(f"On {prompt_set} at temperature {temperature:g}, batch 1: **{kinds[ranked[0]]} "
-                                     f"is fastest**, {measured_speedup(best)} ({verdict.measured_answer(best)})"
-                                     + (f"; then {others}." if others else "."))
+                    if fastest:
+                        more, lead = _compared((prompt_set, temperature, batch), fastest, kinds, imposed)
+                        rows += more
+                        lines += [lead] if lead else []
         blocks += [("h2", f"Which drafter for {target}"), ("list", lines),
                    ("table", ["prompt set", "temperature", "B", "drafter", "gamma", "measured S", "answer",
                               "accepted/round", "break-even accepted/round", ""], rows),
                    ("p", "Each kind of drafter measured on the same prompts against the same plain decoding, its "
                          "fastest timed gamma at each batch (median speedup over pairs, 95% CI). Break-even "
                          "accepted/round: the draft tokens a round would have to accept for S = 1 at that "
-                         "kind's measured cost of a round; a kind pays off once it accepts more. Each "
-                         "kind's own verdict follows in its section.")]
+                         "kind's measured cost of a round; a kind pays off once it accepts more. A kind timed at "
+                         "an imposed acceptance (an emulated MTP head) is not ranked: its measured S is at the "
+                         "acceptance imposed, so its line says the acceptance it would need. Each kind's own "
+                         "verdict follows in its section.")]
     return blocks
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 __all__ = [
-    "READS", "SCHEMA", "parse_point_key", "point_key", "spec_key", "upgrade",
+    "PAIR_MODES", "READS", "SCHEMA", "pair_spec_key", "parse_point_key", "point_key", "spec_key", "upgrade",
     "Meta", "Measurement", "Memory", "Footprint", "ThermalPressure",
     "Roofline", "SweepEntry", "RejectEntry", "RoutingDocument", "FitDocument", "SpecDocument", "SpecRun",
     "AcceptanceEntry", "PairRecord", "PairSearch", "ServingDocument", "ServingLeg", "ClusterShape",
@@ -56,6 +56,16 @@ def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) 
     their resolved names (a folder's name, not the path given), so that every command that
     measures or reads a pair's SD (spec, run, serving, the report) finds the same document."""
     return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
+
+
+# The mode a pair run measures each kind of drafter in: an MTP head with acceptance imposed
+# (it is emulated), every other kind with its own drafts.
+PAIR_MODES = {"mtp-head": "emulated-acceptance"}
+
+
+def pair_spec_key(target: str, draft: str, drafter_kind: str, prompt_set: str) -> str:
+    """The ``spec_key`` of a pair run's SD on one prompt set, in the mode its drafter kind runs in."""
+    return spec_key(target, draft, PAIR_MODES.get(drafter_kind, "real"), prompt_set)
 
 
 def parse_point_key(key: str) -> tuple[int, int]:
