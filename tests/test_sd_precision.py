@@ -79,6 +79,39 @@ def test_a_rollback_is_priced_by_how_often_a_round_rejects():
     assert round_prediction(parts, 0.9e-3, 0.8, 4, batch=2)["rollback_s"] == pytest.approx(0.41611e-3, abs=1e-8)
 
 
+def test_the_loops_bookkeeping_is_priced_in_every_round():
+    # test_a_rollback_...'s round (1.38 ms before its rollback) with 0.25 ms of bookkeeping a
+    # round, paid whatever was accepted: S = 3.3616*0.9/(1.38 + 0.25) = 1.85610.
+    parts = {"verify": 1.2e-3, "target_step": 1.0e-3, "draft": 0.28e-3, "bookkeeping": 0.25e-3}
+    out = round_prediction(parts, 0.9e-3, 0.8, 4)
+    assert out["bookkeeping_s"] == 0.25e-3 and out["round_s"] == pytest.approx(1.63e-3)
+    assert out["speedup"] == pytest.approx(1.85610, abs=1e-4)
+
+
+def test_the_empty_round_runs_the_loops_own_decision(monkeypatch):
+    import mlx.core as mx
+    import numpy as np
+
+    from mac_moesd.measure import round_parts
+
+    called = []
+
+    def spy(name):
+        real = getattr(round_parts, name)
+        return lambda *args, **kwargs: called.append(name) or real(*args, **kwargs)
+
+    for name in ("accept", "advance"):
+        monkeypatch.setattr(round_parts, name, spy(name))
+    point = round_parts.bookkeeping_point(2, 3, 50, "real", lambda logits: mx.argmax(logits, axis=-1))
+    kept, following, drafted, emitted = point.run()
+    assert called == ["accept", "advance"]
+    # the stand-in drafts match nothing the argmax chose (or only by chance): shapes as a round's
+    assert following.shape == (2, 1) and kept.shape[0] == 2 and drafted.shape[0] == 2
+    replica = round_parts.mlx_lm_bookkeeping(3, 50).run()
+    assert replica.dtype == mx.uint32 and replica.shape in ((1,), (2,))
+    assert np.isfinite(timing.finite_time(point))
+
+
 @pytest.mark.slow  # loads and times models end to end
 def test_every_run_records_its_precision_and_both_predictions():
     cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=8,
@@ -90,7 +123,8 @@ def test_every_run_records_its_precision_and_both_predictions():
     assert run["precision_met"] == ((high - low) / 2 / run["measured_speedup"] <= 0.5)
     assert run["predicted_from"] == "measured" and run["predicted_by"]["model"] is None
     assert run["round"]["samples"] == run["pairs"]
-    assert set(run["round"]["median_s"]) == {"verify", "target_step", "draft", "reject", "rollback"}
+    assert set(run["round"]["median_s"]) == {"verify", "target_step", "draft", "reject", "rollback", "bookkeeping"}
+    assert run["round"]["bookkeeping_s"] == run["round"]["median_s"]["bookkeeping"] > 0
     # Plain KV caches trim: the round's rollback is counted, and every run is audited.
     assert run["round"]["rollback_s"] >= 0 and run["rollback"]["strategy"] in ("none", "trim")
     assert run["rollback"]["audit"]["ok"] and run["valid"]

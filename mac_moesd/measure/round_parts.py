@@ -13,11 +13,17 @@ order, the forwards a round is made of:
 - ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance);
 - ``rollback``: both models' caches taken back after a round that kept half its drafts
   (``rollback.Rollback``: a trim, a window cut, or a restore and re-forward of the kept tokens),
-  the verify and draft forwards before it untimed.
+  the verify and draft forwards before it untimed;
+- ``bookkeeping``: the round's own work besides its forwards (an "empty round"): the target's
+  token at every position from the verify's logits, the round's one synchronisation, the
+  acceptance decision and the next pending and emitted tokens, on stand-in arrays of the round's
+  shapes, through the functions the suite's loop calls (``spec_loop.accept``, ``advance``). At
+  batch 1 under mlx-lm's ``speculative_generate_step`` (a closed generator, whose own round
+  cannot be run empty), a replica of its per-round Python instead (``mlx_lm_bookkeeping``).
 
 ``round_prediction`` turns their medians, the plain decode's own step and the acceptance the
 run realised into MoESD's S(B, gamma) (docs/design.md: the speedup formula):
-  S = Omega * T_plain / (T_draft + T_verify,pipelined + T_rej + P_reject * T_rollback),
+  S = Omega * T_plain / (T_draft + T_verify,pipelined + T_rej + P_reject * T_rollback + T_book),
   T_verify,pipelined = T_verify - min(T_step - T_plain, T_step / 2), at least 0 hidden,
   P_reject = 1 - alpha^(gamma B): the chance that some sequence of the batch rejects a draft.
 The forwards run at the prompt's context, the decode at a mean context new_tokens/2 longer; the
@@ -33,11 +39,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from mac_moesd.analysis import theory
 from mac_moesd.measure import timing
 from mac_moesd.measure.rolled_cache import RolledBackCache
 from mac_moesd.measure.rollback import Rollback
+from mac_moesd.measure.spec_loop import accept, advance
 from mac_moesd.measure.sweep import forward_point, pipelined_point, reject_point
 
 __all__ = ["RoundParts", "VERIFY_AT", "lookup_prediction", "round_prediction"]
@@ -54,10 +62,12 @@ class RoundParts:
     vocab: int
     with_reject: bool
     rollback: str = "auto"  # rollback.STRATEGIES
+    mode: str = "real"  # the loop's acceptance (spec_loop.accept)
+    mlx_lm: bool = False  # batch 1 under mlx-lm's own speculative decoding
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     def time(self, target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache | None,
-             rng: random.Random) -> None:
+             rng: random.Random, emit: Callable[[mx.array], mx.array] | None = None) -> None:
         """One sample of every part, in shuffled order, on caches at the prompt's context (each
         part rolls its cache back after itself). ``draft`` None: prompt lookup, whose rounds
         verify 1 to gamma+1 tokens (each width timed; ``VERIFY_AT``) and whose drafting is the
@@ -73,6 +83,9 @@ class RoundParts:
             points["draft"] = pipelined_point(draft, draft_cache, self.batch, 1, self.vocab, steps=self.gamma)
         if self.with_reject:
             points["reject"] = reject_point(self.batch, self.gamma, self.vocab)
+        if emit is not None:
+            points["bookkeeping"] = (mlx_lm_bookkeeping(self.gamma, self.vocab) if self.mlx_lm else
+                                     bookkeeping_point(self.batch, self.gamma, self.vocab, self.mode, emit))
         timers = {name: (lambda point=point: timing.finite_time(point)) for name, point in points.items()}
         timers["rollback"] = rollback_timer(target, draft, target_cache, draft_cache, self.batch, self.gamma,
                                             self.vocab, self.rollback)
@@ -140,6 +153,59 @@ def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: Ro
     return sample
 
 
+def _stand_ins(batch: int, gamma: int, vocab: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Evaluated arrays of a round's shapes: the verify's logits, the drafts, the pending token."""
+    arrays = (mx.random.normal((batch, gamma + 1, vocab)), mx.random.randint(0, vocab, (batch, gamma)),
+              mx.random.randint(0, vocab, (batch, 1)))
+    mx.eval(*arrays)
+    return arrays
+
+
+def bookkeeping_point(batch: int, gamma: int, vocab: int, mode: str,
+                      emit: Callable[[mx.array], mx.array]) -> timing.Point:
+    """The suite's loop's empty round (see the module docstring): ``emit`` the decoder's choice of
+    tokens from logits, then ``accept`` and ``advance`` as the loop calls them."""
+    logits, drafts, pending = _stand_ins(batch, gamma, vocab)
+    draws = np.random.default_rng(0)
+
+    def run():
+        chosen = emit(logits)
+        accepted = accept(chosen, drafts, mode, 0.5, draws)
+        _, kept, following, emitted = advance(pending, chosen, drafts, accepted)
+        return [kept, following, *emitted]
+
+    return timing.Point(run=run)
+
+
+def mlx_lm_bookkeeping(gamma: int, vocab: int) -> timing.Point:
+    """A replica of the per-round Python of mlx-lm 0.32's ``speculative_generate_step`` at batch 1
+    (mlx_lm/generate.py), with the greedy sampler: the verify's log-probabilities and tokens, the
+    one synchronisation, both token lists to Python, the comparison yielding token by token, and
+    the next pending token (with the last draft when all were accepted). Faithful: the same array
+    operations in the same order, on the shapes of a round; the trims are the rollback part."""
+    logits, drafts, _ = _stand_ins(1, gamma, vocab)
+    logits, drafts = logits[0], drafts[0].astype(mx.uint32)
+
+    def rounds():
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1)
+        mx.eval(tokens, drafts)
+        draft_tokens, tokens = drafts.tolist(), tokens.tolist()
+        n = 0
+        while n < gamma:
+            if tokens[n] != draft_tokens[n]:
+                break
+            n += 1
+            yield tokens[n - 1], logprobs[n - 1], True
+        yield tokens[n], logprobs[n], False
+        following = mx.array([tokens[n]], mx.uint32)
+        if n == gamma:
+            following = mx.concatenate([mx.array(draft_tokens[-1:], mx.uint32), following])
+        yield following
+
+    return timing.Point(run=lambda: list(rounds())[-1])
+
+
 def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, gamma: int,
                      batch: int = 1) -> dict:
     """S(B, gamma) from a round's timed parts (``RoundParts.medians``), the plain decode's step
@@ -147,13 +213,13 @@ def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, g
     the run realised; with the round's parts as priced."""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
     verify = max(parts["verify"] - hidden, 0.0)
-    draft, reject = parts["draft"], parts.get("reject", 0.0)
+    draft, reject, bookkeeping = parts["draft"], parts.get("reject", 0.0), parts.get("bookkeeping", 0.0)
     rollback = parts.get("rollback", 0.0) * float(theory.rollback_probability(alpha, gamma, batch))
     omega = float(theory.expected_tokens_per_round(alpha, gamma))
-    round_s = draft + verify + reject + rollback
+    round_s = draft + verify + reject + rollback + bookkeeping
     return {"speedup": omega * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
-            "draft_s": draft, "reject_s": reject, "rollback_s": rollback, "round_s": round_s,
-            "hidden_s": hidden, "tokens_per_round": omega}
+            "draft_s": draft, "reject_s": reject, "rollback_s": rollback, "bookkeeping_s": bookkeeping,
+            "round_s": round_s, "hidden_s": hidden, "tokens_per_round": omega}
 
 
 def lookup_prediction(parts: RoundParts, plain_step: float, widths: list[int], tokens_per_round: float,
@@ -168,7 +234,8 @@ def lookup_prediction(parts: RoundParts, plain_step: float, widths: list[int], t
     at_width = {w: parts.verify_at(w + 1) for w in set(widths)}
     verify = max(statistics.mean(at_width[w] for w in widths) - hidden, 0.0)
     draft, rollback = medians["draft"], medians.get("rollback", 0.0) * rolled_back_share
-    round_s = draft + verify + rollback
+    bookkeeping = medians.get("bookkeeping", 0.0)
+    round_s = draft + verify + rollback + bookkeeping
     return {"speedup": tokens_per_round * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
-            "draft_s": draft, "reject_s": 0.0, "rollback_s": rollback, "round_s": round_s,
-            "hidden_s": hidden, "tokens_per_round": tokens_per_round}
+            "draft_s": draft, "reject_s": 0.0, "rollback_s": rollback, "bookkeeping_s": bookkeeping,
+            "round_s": round_s, "hidden_s": hidden, "tokens_per_round": tokens_per_round}

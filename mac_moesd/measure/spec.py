@@ -331,14 +331,16 @@ class Decoders:
     def context(self) -> int:
         return self.current.context
 
-    def parts_timer(self, parts: RoundParts | None) -> Callable[[int], None] | None:
+    def parts_timer(self, parts: RoundParts | None, temperature: float = 0.0) -> Callable[[int], None] | None:
         """``paired``'s ``between``: one sample of each of the round's parts on the current
-        decoder's caches, in an order shuffled from a fixed seed."""
+        decoder's caches, in an order shuffled from a fixed seed (the empty round choosing its
+        tokens as the decoder does at ``temperature``)."""
         if parts is None:
             return None
         order = random.Random(0)
         return lambda index: parts.time(self.target, self.draft, self.current.target_rolled,
-                                        self.current.draft_rolled, order)
+                                        self.current.draft_rolled, order,
+                                        lambda logits: self.current.emit(logits, temperature))
 
 
 def shared_sampler(temperature: float, vocab: int | None):
@@ -380,7 +382,7 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
         return mlx_lm_speculative(decoders.current, gamma, new_tokens, sampler)
 
     plain_times, spec_times, plain_out, spec_out = paired(plain, spec, prepare, precision,
-                                                          decoders.parts_timer(parts))
+                                                          decoders.parts_timer(parts, temperature))
     row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, precision)
     row["plain_step_s"] = statistics.median(plain_times) / new_tokens
     return {**row, "engine": "mlx-lm", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
@@ -400,7 +402,7 @@ def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | Non
     plain_times, spec_times, plain_out, spec_out = paired(
         lambda: decoders.current.plain(cfg.new_tokens, temperature),
         lambda: decoders.current.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=rng),
-        prepare, Precision.of(cfg), decoders.parts_timer(parts))
+        prepare, Precision.of(cfg), decoders.parts_timer(parts, temperature))
     row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, Precision.of(cfg))
     row["plain_step_s"] = statistics.median(plain_times) / cfg.new_tokens
     return {**row, "engine": LOOP, "context": statistics.mean(contexts[2:])}, plain_out, spec_out
@@ -596,10 +598,10 @@ class ConfigurationTimer:
     def run(self, decoders: Decoders, gamma: int, temperature: float, alpha: float | None) -> dict:
         cfg, batch = self.cfg, decoders.batch
         mx.random.seed(cfg.seed)  # the same samples for every configuration
-        parts = RoundParts(batch, gamma, self.vocab, with_reject=cfg.mode == "emulated-acceptance",
-                           rollback=cfg.rollback)
         mlx_lm = (batch == 1 and cfg.mode == "real" and cfg.rollback == "auto"
                   and decoders.mlx_lm_can_run(cfg.new_tokens, gamma))
+        parts = RoundParts(batch, gamma, self.vocab, with_reject=cfg.mode == "emulated-acceptance",
+                           rollback=cfg.rollback, mode=cfg.mode, mlx_lm=mlx_lm)
         if mlx_lm:
             row, plain_out, spec_out = mlx_lm_batch1(decoders, cfg.new_tokens, gamma, temperature,
                                                      Precision.of(cfg), parts)

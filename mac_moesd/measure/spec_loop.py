@@ -33,7 +33,7 @@ from mac_moesd.measure.rollback import Rollback
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 from mac_moesd.measure.rolled_cache import RolledBackCache
 
-__all__ = ["Decoded", "Decoder", "common_prompt"]
+__all__ = ["Decoded", "Decoder", "accept", "advance", "common_prompt"]
 
 
 @dataclass
@@ -155,31 +155,19 @@ class Decoder:
             verify = self.verifier(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
             # The target's token at every position: its argmax, or (mlx-lm's rule) its own sample.
             chosen = self.emit(verify, temperature)  # (B, gamma+1)
-            # One synchronisation per round: everything the acceptance decision needs.
-            if mode == "emulated-acceptance":
-                # Pay for rejection sampling, then accept with the chosen alpha.
-                counts, _ = rejection_sample(verify, mx.concatenate(draft_logits, axis=1), drafts_arr)
-                mx.eval(counts, chosen, drafts_arr)
-                draws = rng.random((self.batch, gamma)) < alpha
-                accepted = np.cumprod(draws, axis=1).sum(axis=1)
-            elif mode == "self-draft":
-                # The target drafts for itself, so every draft is accepted by construction; an
-                # argmax comparison could differ on float16 near-ties (GPU), not in what it means.
-                mx.eval(chosen, drafts_arr)
-                accepted = np.full(self.batch, gamma)
-            else:
-                extra = (_rule_probabilities(verify[:, :gamma], mx.concatenate(draft_logits, axis=1),
-                                             drafts_arr, temperature) if probs is not None else [])
-                mx.eval(chosen, drafts_arr, extra)
-                matches = np.array(chosen[:, :gamma]) == np.array(drafts_arr)
-                accepted = np.cumprod(matches, axis=1).sum(axis=1)
-                if probs is not None:
-                    for (token_list, position_list), token_p, position_p in zip(
-                            probs.values(), extra[0::2], extra[1::2]):
-                        token_list.extend(np.array(token_p))
-                        position_list.extend(np.array(position_p))
-            shared = int(accepted.min())
-            kept = mx.concatenate([y, drafts_arr[:, :shared]], axis=1)  # the tokens both caches keep
+            extra = []
+            if mode == "emulated-acceptance":  # pay for rejection sampling, then accept with alpha
+                extra = [rejection_sample(verify, mx.concatenate(draft_logits, axis=1), drafts_arr)[0]]
+            elif probs is not None:
+                extra = _rule_probabilities(verify[:, :gamma], mx.concatenate(draft_logits, axis=1),
+                                            drafts_arr, temperature)
+            accepted = accept(chosen, drafts_arr, mode, alpha, rng, extra)
+            if probs is not None:
+                for (token_list, position_list), token_p, position_p in zip(
+                        probs.values(), extra[0::2], extra[1::2]):
+                    token_list.extend(np.array(token_p))
+                    position_list.extend(np.array(position_p))
+            shared, kept, next_y, pieces = advance(y, chosen, drafts_arr, accepted)
             self.target_rollback.undo(gamma + 1, kept)
             if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
                 self.draft(drafts[-1], cache=self.draft_cache)
@@ -187,9 +175,8 @@ class Decoder:
                 self.draft_rollback.undo(gamma, kept)
             produced += accepted + 1
             per_round += [int(a) for a in accepted]
-            # For rows that accepted more than ``shared``, chosen[shared] equals their draft.
-            y = chosen[:, shared : shared + 1]
-            emitted += [drafts_arr[:, :shared], y]
+            y = next_y
+            emitted += pieces
         # A last round that accepted every draft leaves the drafter's catch-up forward queued in
         # its cache only: evaluate it here, inside the timed run, not in the next one.
         outputs = np.array(mx.concatenate(emitted, axis=1))
@@ -219,22 +206,49 @@ class Decoder:
             self.target_rollback.mark()
             verify = self.target(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
             chosen = self.emit(verify, temperature)  # (B, width+1)
-            mx.eval(chosen)
-            offered = np.arange(width) < lengths[:, None]
-            accepted = np.cumprod((np.array(chosen[:, :width]) == padded) & offered, axis=1).sum(axis=1)
-            shared = int(accepted.min())
-            kept = mx.concatenate([y, drafts_arr[:, :shared]], axis=1)
+            accepted = accept(chosen, drafts_arr, "real", offered=lengths)
+            shared, kept, y, pieces = advance(y, chosen, drafts_arr, accepted)
             rolled_back += self.target_rollback.undo(width + 1, kept) != "none"
             produced += accepted + 1
             per_round += [int(a) for a in accepted]
             proposed += [int(n) for n in lengths]
             widths.append(width)
-            y = chosen[:, shared : shared + 1]
-            emitted += [drafts_arr[:, :shared], y]
+            emitted += pieces
             self.lookup.extend(np.concatenate([padded[:, :shared], np.array(y)], axis=1))
         outputs = np.array(mx.concatenate(emitted, axis=1))
         return Decoded(int(produced.sum()), per_round, outputs, proposed=proposed, widths=widths,
                        lookup_s=lookup_s, rounds_rolled_back=int(rolled_back))
+
+
+def accept(chosen: mx.array, drafts: mx.array, mode: str, alpha: float | None = None,
+           rng: np.random.Generator | None = None, evaluate: list | None = None,
+           offered: np.ndarray | None = None) -> np.ndarray:
+    """The draft tokens each sequence accepts, after the round's one synchronisation (``chosen``,
+    the target's token at every position, ``drafts`` and whatever else the round evaluates):
+    ``real``, while the drafts equal the target's tokens (``offered``: each row's proposal length,
+    its padding never accepted); ``self-draft``, all (the target drafts for itself: an argmax
+    comparison could differ on float16 near-ties, not in what it means); ``emulated-acceptance``,
+    each with probability ``alpha``."""
+    mx.eval(chosen, drafts, *(evaluate or []))
+    batch, gamma = drafts.shape
+    if mode == "emulated-acceptance":
+        return np.cumprod(rng.random((batch, gamma)) < alpha, axis=1).sum(axis=1)
+    if mode == "self-draft":
+        return np.full(batch, gamma)
+    matches = np.array(chosen[:, :gamma]) == np.array(drafts)
+    if offered is not None:
+        matches &= np.arange(gamma) < offered[:, None]
+    return np.cumprod(matches, axis=1).sum(axis=1)
+
+
+def advance(pending: mx.array, chosen: mx.array, drafts: mx.array, accepted: np.ndarray):
+    """The round's outcome for a batch rolled back to its shortest accepted prefix: (that prefix's
+    length, the tokens both caches keep, the next pending token, what the round emits). For rows
+    that accepted more than the prefix, the target's token after it equals their draft."""
+    shared = int(accepted.min())
+    kept = mx.concatenate([pending, drafts[:, :shared]], axis=1)
+    following = chosen[:, shared : shared + 1]
+    return shared, kept, following, [drafts[:, :shared], following]
 
 
 def _rule_probabilities(target_logits: mx.array, draft_logits: mx.array, drafts: mx.array,

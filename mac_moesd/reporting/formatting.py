@@ -477,20 +477,20 @@ def rollback_cell(run: dict) -> str:
 
 def round_cell(run: dict) -> str:
     """A timed round's parts as the SD stage priced them: the drafter's steps, the verify forward,
-    rejection sampling and the rollback (its cost times how often a round rejects), and the round
-    as measured end to end beside their sum; "-" for runs made before the parts were timed, and
-    no rollback part (or measured round) for runs before it was."""
+    rejection sampling, the rollback (its cost times how often a round rejects) and the loop's own
+    bookkeeping, and the round as measured end to end beside their sum; "-" for runs made before
+    the parts were timed, and no rollback or bookkeeping part (or measured round) for runs before
+    they were."""
     parts = run.get("round")
     if not parts:
         return "-"
     shown = [parts["draft_s"], parts["verify_s"], parts["reject_s"]]
-    if "rollback_s" in parts:
-        shown.append(parts["rollback_s"])
+    shown += [parts[k] for k in ("rollback_s", "bookkeeping_s") if k in parts]
     cell = " + ".join(seconds(v) for v in shown) + f" = {seconds(parts['round_s'])}"
     return cell + (f" (measured {seconds(parts['measured_s'])})" if parts.get("measured_s") else "")
 
 
-ROUND_HEADER = "round: draft + verify + reject + rollback (measured)"
+ROUND_HEADER = "round: draft + verify + reject + rollback + bookkeeping (measured)"
 
 
 def invalid_lines(doc: dict) -> list[str]:

@@ -583,6 +583,7 @@ class RoundMedians(TypedDict, total=False):
     draft: float
     reject: float
     rollback: float  # one rejected round's rollback, both models
+    bookkeeping: float  # the loop's empty round: token choice, synchronisation, acceptance decision
 
 
 class LookupRule(TypedDict, total=False):
@@ -608,6 +609,7 @@ class RoundAccount(TypedDict, total=False):
     draft_s: float
     reject_s: float
     rollback_s: float  # the rollback's cost times how often a round rejects; counted in round_s
+    bookkeeping_s: float  # the loop's own work a round; counted in round_s
     round_s: float
     measured_s: float  # mean tokens per round over one sequence's SD tokens/s: what round_s prices
     hidden_s: float
