@@ -92,22 +92,22 @@ def test_the_empty_round_runs_the_loops_own_decision(monkeypatch):
     import mlx.core as mx
     import numpy as np
 
-    from mac_moesd.measure import round_parts
+    from mac_moesd.measure import bookkeeping
 
     called = []
 
     def spy(name):
-        real = getattr(round_parts, name)
+        real = getattr(bookkeeping, name)
         return lambda *args, **kwargs: called.append(name) or real(*args, **kwargs)
 
     for name in ("accept", "advance"):
-        monkeypatch.setattr(round_parts, name, spy(name))
-    point = round_parts.bookkeeping_point(2, 3, 50, "real", lambda logits: mx.argmax(logits, axis=-1))
+        monkeypatch.setattr(bookkeeping, name, spy(name))
+    point = bookkeeping.bookkeeping_point(2, 3, 50, "real", bookkeeping.argmax)
     kept, following, drafted, emitted = point.run()
     assert called == ["accept", "advance"]
     # the stand-in drafts match nothing the argmax chose (or only by chance): shapes as a round's
     assert following.shape == (2, 1) and kept.shape[0] == 2 and drafted.shape[0] == 2
-    replica = round_parts.mlx_lm_bookkeeping(3, 50).run()
+    replica = bookkeeping.mlx_lm_bookkeeping(3, 50).run()
     assert replica.dtype == mx.uint32 and replica.shape in ((1,), (2,))
     assert np.isfinite(timing.finite_time(point))
 

@@ -125,6 +125,11 @@ def test_draft_and_reject_steps(tmp_path):
     assert [p["batch"] for p in doc["draft"]["points"]] == [1, 2]
     assert doc["draft"]["model"] == "tiny-draft"
     assert [(p["batch"], p["tokens"]) for p in doc["reject"]["points"]] == [(1, 5), (2, 5)]
+    # the SD loop's empty round at the same shapes, for the fit's bookkeeping term
+    assert [(p["batch"], p["tokens"]) for p in doc["reject"]["bookkeeping_points"]] == [(1, 5), (2, 5)]
+    assert all(p["median_s"] > 0 for p in doc["reject"]["bookkeeping_points"])
+    (stored,) = json.loads((tmp_path / "r.json").read_text())["reject"].values()
+    assert sorted(stored["bookkeeping_points"]) == ["1x5", "2x5"]
 
 
 def test_saved_model_with_weights_loads_through_mlx_lm(tmp_path):

@@ -35,10 +35,11 @@ class RoundCost:
     draft: float  # gamma * T_D(B,1)
     reject: float  # T_rej(B)
     rollback: float = 0.0  # re-forwards after rejections, averaged over rounds (FittedModel.rollback_time)
+    bookkeeping: float = 0.0  # the SD loop's own work a round (FittedModel.bookkeeping)
 
     @property
     def round(self) -> float:
-        return self.draft + self.verify + self.reject + self.rollback
+        return self.draft + self.verify + self.reject + self.rollback + self.bookkeeping
 
     def speedup(self, tokens_per_round: float) -> float:
         return tokens_per_round * self.plain / self.round
@@ -52,7 +53,8 @@ def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: 
     is the predicted S and the parts add up to it."""
     plain, verify_s, draft_step, reject = model.step_times(batch, gamma, context, verify)
     rollback = model.rollback_time(batch, gamma, alpha, context)
-    return RoundCost(float(plain), float(verify_s), gamma * float(draft_step), float(reject), float(rollback))
+    return RoundCost(float(plain), float(verify_s), gamma * float(draft_step), float(reject), float(rollback),
+                     float(model.bookkeeping.time(batch)))
 
 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
@@ -68,11 +70,13 @@ def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, cont
     the round's cost split, and the name of the term whose removal helps most."""
     cost = round_cost(model, batch, gamma, context, alpha)
     omega = float(theory.expected_tokens_per_round(alpha, gamma))
+    fixed = cost.reject + cost.rollback + cost.bookkeeping
     without = {
-        "drafter cost": omega * cost.plain / (cost.verify + cost.reject + cost.rollback),
-        "verify cost": omega * cost.plain / (cost.draft + cost.plain + cost.reject + cost.rollback),
+        "drafter cost": omega * cost.plain / (cost.verify + fixed),
+        "verify cost": omega * cost.plain / (cost.draft + cost.plain + fixed),
         # everything accepted: gamma+1 tokens a round, and no round rolls back
-        "acceptance": RoundCost(cost.plain, cost.verify, cost.draft, cost.reject).speedup(gamma + 1),
+        "acceptance": RoundCost(cost.plain, cost.verify, cost.draft, cost.reject,
+                                bookkeeping=cost.bookkeeping).speedup(gamma + 1),
     }
     return {
         "term": max(without, key=without.get),
@@ -80,7 +84,8 @@ def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, cont
         "tokens_per_round": omega,
         "speedup_without": without,
         "round_share": {"drafter": cost.draft / cost.round, "verify": cost.verify / cost.round,
-                        "rejection": cost.reject / cost.round, "rollback": cost.rollback / cost.round},
+                        "rejection": cost.reject / cost.round, "rollback": cost.rollback / cost.round,
+                        "bookkeeping": cost.bookkeeping / cost.round},
         "verify_over_plain": cost.verify / cost.plain,
         "draft_step_over_plain": cost.draft / gamma / cost.plain,
     }
@@ -100,7 +105,7 @@ def verdict_rows(fit_doc: dict, acceptance: list[dict], context: int,
             gamma, speedup = best_gamma(model, batch, a["alpha"], context)
             cost = round_cost(model, batch, gamma, context, a["alpha"])
             # The rollback priced at the measured alpha (it happens less often nearer break-even).
-            per_round = cost.reject + cost.rollback
+            per_round = cost.reject + cost.rollback + cost.bookkeeping
             row = {**a, "drafter_kind": "model", "batch": batch, "gamma": gamma, "predicted_speedup": speedup,
                    "pays_off": speedup > 1.0,
                    "break_even_alpha": break_even.break_even_alpha(cost.plain, cost.verify, cost.draft / gamma,
@@ -139,8 +144,9 @@ def agreement(run: dict, predicted: float, heldout_mape: float | None) -> dict:
 def differing_term(model: FittedModel, run: dict, context: float, alpha: float) -> dict | None:
     """Which part of the round differs most between the model's account and the timed run's own
     (``round``, timed in the SD stage): the plain step, the verify forward, the drafter's steps,
-    the rollback (where the run timed one that costs something), or acceptance (the verdict's
-    alpha against the one the run realised); None for runs made before their rounds were timed."""
+    the rollback (where the run timed one that costs something), the loop's bookkeeping (where
+    both the sweep and the run timed it), or acceptance (the verdict's alpha against the one the
+    run realised); None for runs made before their rounds were timed."""
     measured = run.get("round")
     if not measured:
         return None
@@ -157,6 +163,8 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float) 
     if model.reforward and measured.get("rollback_s") and realised is not None:
         ratios["rollback"] = (float(model.rollback_time(run["batch"], gamma, realised, context))
                               / measured["rollback_s"])
+    if model.bookkeeping.points and measured.get("bookkeeping_s"):
+        ratios["bookkeeping"] = float(model.bookkeeping.time(run["batch"])) / measured["bookkeeping_s"]
     ratios = {k: v for k, v in ratios.items() if v is not None}
     term = max(ratios, key=lambda k: abs(ratios[k] - 1))
     return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}

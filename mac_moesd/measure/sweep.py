@@ -39,6 +39,7 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.progress import Progress
 from mac_moesd.results import ResultsStore, parse_point_key, point_key, schema
 from mac_moesd.measure.sampling import random_ids, rejection_sample
+from mac_moesd.measure.bookkeeping import argmax, bookkeeping_point
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
@@ -491,21 +492,28 @@ def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
 
 
 def measure_reject(cfg, source, store, progress, rng, available_bytes: int | None = None) -> dict:
-    """T_rej(B): rejection sampling over the vocabulary for B x (gamma+1) positions."""
+    """T_rej(B): rejection sampling over the vocabulary for B x (gamma+1) positions; and, beside
+    it, the SD loop's own work a round at the same shapes (``bookkeeping``: an empty round),
+    recorded as ``bookkeeping_points`` for the fit's per-round term."""
     vocab = source.config["vocab_size"]
     key = f"V{vocab}|gamma{cfg.gamma}"
     entry = store.entry("reject", key, {"vocab": vocab, "gamma": cfg.gamma})
+    kept = entry.setdefault("bookkeeping_points", {})
     todo = [b for b in cfg.batches if point_key(b, cfg.gamma + 1) not in entry["points"]]
     for b in set(cfg.batches) - set(todo):
         progress.advance(f"rejection sampling B={b} (kept)")
     memory.start_stage()
     need = reject_estimate(vocab, cfg)
-    points = {b: reject_point(b, cfg.gamma, vocab) for b in todo}
+    points = {("reject", b): reject_point(b, cfg.gamma, vocab) for b in todo}
+    points.update({("bookkeeping", b): bookkeeping_point(b, cfg.gamma, vocab, "real", argmax)
+                   for b in cfg.batches if point_key(b, cfg.gamma + 1) not in kept})
 
-    def done(b, m):
-        entry["points"][point_key(b, cfg.gamma + 1)] = m.to_dict()
+    def done(which, m):
+        kind, b = which
+        (entry["points"] if kind == "reject" else kept)[point_key(b, cfg.gamma + 1)] = m.to_dict()
         store.save()
-        progress.advance(f"rejection sampling B={b}")
+        if kind == "reject":
+            progress.advance(f"rejection sampling B={b}")
 
     timing.measure(points, cfg.budget, rng, on_done=done)
     if todo:
@@ -513,7 +521,7 @@ def measure_reject(cfg, source, store, progress, rng, available_bytes: int | Non
         store.save()
     del points
     memory.release()
-    return {**entry, "points": points_list(entry["points"])}
+    return {**entry, "points": points_list(entry["points"]), "bookkeeping_points": points_list(kept)}
 
 
 def reject_estimate(vocab: int, cfg: SweepConfig) -> dict:

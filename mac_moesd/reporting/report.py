@@ -340,7 +340,8 @@ def _fit(d: Digest, figures) -> list:
                        "(MoESD's Algorithm 1, k2*N(n)); `pairs` once per token-expert pair (k2*n*K); "
                        "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
         blocks += [("p", line[0].upper() + line[1:] + ".")
-                   for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f) + kv_lines(f)]
+                   for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f) + kv_lines(f)
+                   + _bookkeeping_lines(f)]
         rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"],
                                                                                  ["k_seq", f"{f.get('k_seq', 0.0):.4g}"]]
         blocks.append(("table", ["parameter", f"value (`{f['chosen']}`)"], rows))
@@ -362,6 +363,22 @@ def _fit(d: Digest, figures) -> list:
     blocks += _figure(figures, "speedup", "Predicted speedup against batch; dotted lines mark "
                       "B*(gamma+1) = T_thres; shading: the gamma=4 window within peak/sqrt(2).")
     return blocks
+
+
+def _bookkeeping_lines(f: dict) -> list[str]:
+    """The fit's term for the SD loop's own work a round, and its share of a batch-1 round."""
+    book = f.get("bookkeeping") or {}
+    if not book.get("points"):
+        return []
+    text = (f"the SD loop's own work a round besides its forwards (the token choice, the one "
+            f"synchronisation, the acceptance decision: an empty round the sweep timed at {book['points']} "
+            f"batches) is T_book(B) = {book['a_s'] * 1e3:.3f} ms + {book['b_s'] * 1e3:.4f} ms x B "
+            f"(MAPE {pct(book['mape'])}), priced in every predicted round")
+    model = fit_module.FittedModel.from_document(f)
+    if model.drafted:
+        cost = verdict.round_cost(model, 1, 4, f["context"], TYPICAL_ALPHA)
+        text += f": {cost.bookkeeping / cost.round:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"
+    return [text]
 
 
 def _questions(d: Digest) -> list:

@@ -345,6 +345,7 @@ class RejectEntry(TypedDict, total=False):
     vocab: int
     gamma: int
     points: dict[str, Measurement]  # point_key(B, gamma + 1)
+    bookkeeping_points: dict[str, Measurement]  # the SD loop's empty round at the same shapes
     memory: Memory
     thermal_pressure: ThermalPressure
 
@@ -513,6 +514,14 @@ class FitCluster(ClusterShape, total=False):
     rows: list[ClusterRow]
 
 
+class BookkeepingTerm(TypedDict, total=False):
+    """The fit's term for the SD loop's own work a round: T_book(B) = a_s + b_s * B."""
+    a_s: float
+    b_s: float
+    points: int  # batches of the sweep's empty-round timing (0: not timed, the term is zero)
+    mape: float | None
+
+
 class FitDocument(TypedDict, total=False):
     """A ``fits`` document, keyed by model name; one without ``chosen`` predates the variants."""
     model: str
@@ -539,6 +548,7 @@ class FitDocument(TypedDict, total=False):
     variants: list[Variant]
     missing: list[str]
     pipelining: Pipelining
+    bookkeeping: BookkeepingTerm
     routing: FitRouting
     one_row: OneRow | None
     params: dict[str, float | None]

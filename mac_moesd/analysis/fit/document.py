@@ -56,6 +56,7 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
                      for v in result.variants],
         "missing": list(i.missing),
         "pipelining": result.pipelining.to_dict(),
+        "bookkeeping": result.bookkeeping.to_dict(),
         "routing": i.routing.to_dict(),
         "one_row": chosen.one_row.to_dict() if chosen.one_row else None,
         "params": _params_doc(best, i.drafted),

@@ -80,6 +80,7 @@ class FitInputs:
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts per (B, t); uniform default
     kv_points: tuple[tuple[int, int, int, float], ...] = ()  # (batch, tokens, context, seconds) at a second context
     reforward: tuple[str, ...] = ()  # models whose rollback re-forwards: those with recurrent layers
+    bookkeeping: tuple[tuple[int, float], ...] = ()  # (batch, seconds): the SD loop's empty round
 
     @property
     def drafted(self) -> bool:
@@ -133,6 +134,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         target=target,
         draft=[(b, s) for b, _, s in _as_pairs(side["points"])] if side else [],
         reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])] if side else [],
+        bookkeeping=tuple((b, s) for b, _, s in _as_pairs(rejects[0].get("bookkeeping_points") or {}))
+        if rejects else (),
         context=full["context"],
         draft_model=draft["model"] if draft else None,
         extrapolated=extrapolated,

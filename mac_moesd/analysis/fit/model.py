@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from mac_moesd.analysis import break_even, cluster, expert_reads, pipelining, theory
+from mac_moesd.analysis.bookkeeping import Bookkeeping
 from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, NO_DRAFT, FitInputs
 from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import MacMoesdError
@@ -46,6 +47,7 @@ class FittedModel:
     # Which models re-forward the kept tokens when a round rolls back (a recurrent state cannot
     # trim, docs/design.md §4.7): ``target`` and/or ``draft``; none for plain KV caches.
     reforward: tuple[str, ...] = ()
+    bookkeeping: Bookkeeping = Bookkeeping()  # the SD loop's own work a round (zero: not timed)
 
     def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True,
                active=None) -> np.ndarray:
@@ -80,7 +82,8 @@ class FittedModel:
         plain, verify_t, draft, reject = self.step_times(batch, gamma, context, verify, self_draft, comm,
                                                          draft_step)
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
-        return theory.speedup(sigma, gamma, plain, verify_t, draft, reject + rollback)
+        per_round = reject + rollback + self.bookkeeping.time(batch)
+        return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
 
     def lookup_speedup(self, batch: int, widths, tokens_per_round: float, lookup_s: float,
                        rolled_back_share: float, context: float) -> float:
@@ -93,7 +96,7 @@ class FittedModel:
         verify = float(np.mean(self.target(batch, np.asarray(widths) + 1, context, pipelined=True)))
         rollback = (rolled_back_share * float(self.target(batch, tokens_per_round, context))
                     if "target" in self.reforward else 0.0)
-        return tokens_per_round * plain / (lookup_s + verify + rollback)
+        return tokens_per_round * plain / (lookup_s + verify + rollback + float(self.bookkeeping.time(batch)))
 
     def rollback_time(self, batch, gamma: int, alpha: float, context: int, self_draft: bool = False,
                       comm: bool = True, drafter_trims: bool = False) -> np.ndarray:
@@ -151,7 +154,8 @@ class FittedModel:
                    pipelining.Pipelining.from_dict(doc.get("pipelining")),
                    cluster.CommTerm.from_dict(comm) if comm else None,
                    expert_reads.Routing.from_dict(doc.get("routing")),
-                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0), tuple(doc.get("reforward", ())))
+                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0), tuple(doc.get("reforward", ())),
+                   Bookkeeping.from_dict(doc.get("bookkeeping")))
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,7 @@ class FitResult:
     chosen: str
     inputs: FitInputs = field(repr=False)
     pipelining: pipelining.Pipelining = pipelining.Pipelining()
+    bookkeeping: Bookkeeping = Bookkeeping()
 
     def variant(self, name: str) -> VariantFit:
         return next(v for v in self.variants if v.name == name)
@@ -207,7 +212,7 @@ class FitResult:
         row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
                            i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq,
-                           i.reforward)
+                           i.reforward, self.bookkeeping)
 
 
 def predict(
@@ -233,7 +238,9 @@ def predict(
         for alpha in alphas:
             s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
                  else [None] * len(batches))
-            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context), b.shape)
+            # The round's costs besides its forwards: the rollback and the loop's bookkeeping.
+            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context) + model.bookkeeping.time(b),
+                                       b.shape)
             rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
                       "speedup": None if v is None else float(v), "target_efficiency": float(e),
                       **_break_even(p, gamma, alpha, float(r))}

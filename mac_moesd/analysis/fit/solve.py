@@ -12,6 +12,7 @@ from scipy.optimize import least_squares
 
 from mac_moesd.analysis import pipelining, theory
 from mac_moesd.analysis.fit.inputs import FitInputs
+from mac_moesd.analysis.bookkeeping import Bookkeeping
 from mac_moesd.analysis.fit.model import FitResult, FittedModel, VariantFit
 from mac_moesd.errors import BadInput, MacMoesdError
 
@@ -44,7 +45,7 @@ def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> F
     fitted = [fit_variant(inputs, name) for name in variants]
     scored = [v for v in fitted if v.heldout_mape is not None]
     chosen = min(scored, key=lambda v: v.heldout_mape) if scored else fitted[0]
-    result = FitResult(fitted, chosen.name, inputs)
+    result = FitResult(fitted, chosen.name, inputs, bookkeeping=Bookkeeping.fit(list(inputs.bookkeeping)))
     return replace(result, pipelining=measure_pipelining(result))
 
 
