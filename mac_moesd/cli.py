@@ -361,8 +361,10 @@ def run_command(quick, full, models, target, draft, alpha, prompt_sets, out, mem
 
     With --target and --draft, all of it for your own pair instead: the target's sweep with the
     drafter's step, routing on the prompt sets with the model's tokenizer, the fit, SD measured
-    with real drafts per prompt set at temperatures 0 and 1, and a verdict for the pair. On a GPU
-    without --target, the first known pair found in the Hugging Face cache that fits in memory.
+    with real drafts per prompt set at temperatures 0 and 1, and a verdict for the pair. --draft
+    may also name prompt-lookup and mtp-head beside (or instead of) a drafter model: each is
+    measured on the same prompts and the report ranks them. On a GPU without --target, the first
+    known pair found in the Hugging Face cache that fits in memory.
 
     Exit status: 0 when every stage ran; 3 when some were skipped (the report is written and
     says why); 1 when nothing could be measured.
