@@ -250,7 +250,8 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
     at temperature 0 its output greedy's but for float near-ties. Exits 1 when one fails (the
     results are written, marked invalid).
     """
-    from mac_moesd.measure.prompt_lookup import DRAFTER_NAME, LookupRule
+    from mac_moesd.measure.prompt_lookup import LookupRule
+    from mac_moesd.results.schema import PROMPT_LOOKUP
     from mac_moesd.measure.spec import SpecConfig
     from mac_moesd.pipeline import commands
 
@@ -258,7 +259,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
         raise click.BadParameter(f"{lookup_min_ngram} is above --lookup-max-ngram {lookup_max_ngram}",
                                  param_hint="'--lookup-min-ngram'")
     if mode is None:
-        mode = "real" if draft == DRAFTER_NAME else "emulated-acceptance"
+        mode = "real" if draft == PROMPT_LOOKUP else "emulated-acceptance"
     cfg = SpecConfig(target=target, draft=draft, batches=batches, gammas=gammas, alphas=alphas,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
                      precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
@@ -310,10 +311,11 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
     from mac_moesd.measure.serving_stage import ServingConfig
     from mac_moesd.pipeline import commands
     from mac_moesd.reporting.serving_section import render_serving
+    from mac_moesd.results import schema
 
     if draft and not target:
         raise click.UsageError("--draft goes with TARGET")
-    if draft in ("prompt-lookup", "mtp-head"):
+    if draft in schema.DRAFTER_KINDS:
         raise click.UsageError(f"--draft {draft}: mlx_lm.server drafts with a model only (measure {draft} "
                                "with `mac-moesd spec` or `run --draft`, or a server that has it with --url)")
     if served_model and not urls:

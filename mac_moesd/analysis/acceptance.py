@@ -51,7 +51,9 @@ def summarise_rounds(accepted: Iterable[int], gamma: int, proposed: Iterable[int
     ``acceptance_by_position[i]`` is the fraction of the rounds that offered a draft token i+1
     whose draft token i+1 was accepted (None where no round offered one). Every round counts in
     ``rounds`` and the mean, one that offered nothing as one that accepted 0. sigma =
-    (L + 1)/(gamma + 1): tokens per round over the gamma+1 a round could produce.
+    (L + 1)/(gamma + 1): tokens per round over the gamma+1 a round could produce. ``alpha`` is
+    solved from the mean where every round offered gamma drafts; where ``proposed`` varies it
+    would mix how often a proposal exists with how often it is right, so it is None.
     """
     counts = np.asarray(list(accepted), dtype=int)
     offered = np.full(counts.shape, gamma) if proposed is None else np.asarray(list(proposed), dtype=int)
@@ -69,7 +71,7 @@ def summarise_rounds(accepted: Iterable[int], gamma: int, proposed: Iterable[int
         "mean_accepted": mean,
         "sigma": (mean + 1.0) / (gamma + 1.0),
         "acceptance_by_position": by_position,
-        "alpha": solve_alpha(mean, gamma),
+        "alpha": solve_alpha(mean, gamma) if proposed is None else None,
     }
 
 

@@ -9,8 +9,11 @@ chosen and the hidden state that chose it, each RMS-normed, concatenated and pro
 hidden size; one decoder layer of the target's own architecture (a copy of its last full-attention
 layer, so an MoE target's head is an MoE layer with its own KV cache); an RMS norm; and the
 target's own LM head and embedding, shared, not copied. A draft step is one pass through it, fed
-the hidden state of the step before: the target's for the first draft of a round (``capture``),
-the head's own after it.
+the hidden state of the step before: the target's verify's last position for the first draft of
+a round (``capture``), the head's own after it. Two shortcuts, which change values, not work: a
+trained head's first draft reads the verify's hidden state at the position of the token it
+drafts from (the batch's shared prefix), and after a round that accepted every draft, feeding the
+head that last draft (as a drafter model is fed) leaves the head's own state there instead.
 
 The values it drafts are meaningless (acceptance is imposed, and the loop emits random ids in
 that mode); the shapes and the work of every forward are a real head's.
@@ -28,9 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs.cache_kinds import leaf_kind
 
-__all__ = ["DRAFTER_NAME", "MTPHead"]
-
-DRAFTER_NAME = "mtp-head"  # what --draft takes, and the drafter's name in results keys
+__all__ = ["MTPHead"]
 
 
 def _language_model(model: nn.Module) -> nn.Module:
@@ -60,10 +61,10 @@ def _embedding(inner: nn.Module) -> nn.Embedding:
 def _full_attention_layer(model: nn.Module) -> int:
     """The index of the target's last layer whose cache is a plain KV cache (full attention)."""
     caches = make_prompt_cache(model)
-    if len(caches) != len(model.layers):
+    if len(caches) != len(model.layers) or any(hasattr(c, "caches") for c in caches):
         raise MacMoesdError(f"an MTP head copies one decoder layer of the target, and {type(model).__module__} "
                             "keeps caches for some layers only (Nemotron-H's attention and Mamba blocks), "
-                            "which this version does not map to its layers")
+                            "or several per layer, which this version does not map to its layers")
     full = [i for i, c in enumerate(caches) if leaf_kind(c) == "kv"]
     if not full:
         raise MacMoesdError("an MTP head is one full-attention decoder layer of the target, and this model "
@@ -87,7 +88,7 @@ class MTPHead(nn.Module):
             dims = dims * 32 // embedding.bits
         index = _full_attention_layer(target)
         self.layer = copy.deepcopy(target.layers[index])
-        self._kind = type(make_prompt_cache(target)[index])
+        self._new_cache = lambda: make_prompt_cache(target)[index]  # the copied layer's kind, fresh
         self.enorm, self.hnorm, self.norm = nn.RMSNorm(dims), nn.RMSNorm(dims), nn.RMSNorm(dims)
         for norm in (self.enorm, self.hnorm, self.norm):
             norm.set_dtype(_dtype(_embedding(inner)))
@@ -103,7 +104,7 @@ class MTPHead(nn.Module):
         return [self.layer]
 
     def make_cache(self) -> list:
-        return [self._kind()]
+        return [self._new_cache()]
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self._shared[1](hidden)

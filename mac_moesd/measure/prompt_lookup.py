@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DRAFTER_NAME", "LookupRule", "PromptLookup", "propose"]
-
-DRAFTER_NAME = "prompt-lookup"  # what --draft takes, and the drafter's name in results keys
+__all__ = ["LookupRule", "PromptLookup", "propose"]
 
 
 @dataclass(frozen=True)

@@ -149,36 +149,38 @@ def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: Ro
     return sample
 
 
+def _account(plain_step: float, tokens_per_round: float, verify: float, hidden: float, **parts: float) -> dict:
+    """S from a round's priced parts (draft, reject, rollback, bookkeeping) and its verify, with
+    each as priced: what ``round_prediction`` and ``lookup_prediction`` record."""
+    round_s = verify + sum(parts.values())
+    return {"speedup": tokens_per_round * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
+            **{f"{name}_s": value for name, value in parts.items()},
+            "round_s": round_s, "hidden_s": hidden, "tokens_per_round": tokens_per_round}
+
+
 def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, gamma: int,
                      batch: int = 1) -> dict:
     """S(B, gamma) from a round's timed parts (``RoundParts.medians``), the plain decode's step
     (seconds per token per sequence batch, pipelined as generation runs it) and the acceptance
     the run realised; with the round's parts as priced."""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
-    verify = max(parts["verify"] - hidden, 0.0)
-    draft, reject, bookkeeping = parts["draft"], parts.get("reject", 0.0), parts.get("bookkeeping", 0.0)
     rollback = parts.get("rollback", 0.0) * float(theory.rollback_probability(alpha, gamma, batch))
-    omega = float(theory.expected_tokens_per_round(alpha, gamma))
-    round_s = draft + verify + reject + rollback + bookkeeping
-    return {"speedup": omega * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
-            "draft_s": draft, "reject_s": reject, "rollback_s": rollback, "bookkeeping_s": bookkeeping,
-            "round_s": round_s, "hidden_s": hidden, "tokens_per_round": omega}
+    return _account(plain_step, float(theory.expected_tokens_per_round(alpha, gamma)),
+                    max(parts["verify"] - hidden, 0.0), hidden, draft=parts["draft"],
+                    reject=parts.get("reject", 0.0), rollback=rollback, bookkeeping=parts.get("bookkeeping", 0.0))
 
 
 def lookup_prediction(parts: RoundParts, plain_step: float, widths: list[int], tokens_per_round: float,
                       rolled_back_share: float) -> dict:
-    """S(B) of prompt-lookup rounds from their timed parts, as ``round_prediction`` prices a
-    drafted round: the lookup's host time, the verify of each round's width (the pending token
-    and the batch's longest proposal, 1 to gamma+1 tokens, priced at the widths the run verified),
-    less what pipelining hides, and the rollback priced by the share of rounds that rolled back;
-    the tokens a round gives each sequence as the run measured them (no proposal: 1)."""
+    """S(B) of prompt-lookup rounds from their timed parts: the lookup's host time, the verify of
+    each round's width (the pending token and the batch's longest proposal, 1 to gamma+1 tokens,
+    priced at the widths the run verified) as timed, synchronous (nothing hides its graph build:
+    the lookup runs on the host between the round's synchronisation and the verify), the
+    rollback priced by the share of rounds that rolled back, and the loop's bookkeeping; the
+    tokens a round gives each sequence as the run measured them (no proposal: 1)."""
     medians = parts.medians()
-    hidden = min(max(medians["target_step"] - plain_step, 0.0), medians["target_step"] / 2)
     at_width = {w: parts.verify_at(w + 1) for w in set(widths)}
-    verify = max(statistics.mean(at_width[w] for w in widths) - hidden, 0.0)
-    draft, rollback = medians["draft"], medians.get("rollback", 0.0) * rolled_back_share
-    bookkeeping = medians.get("bookkeeping", 0.0)
-    round_s = draft + verify + rollback + bookkeeping
-    return {"speedup": tokens_per_round * plain_step / round_s, "plain_s": plain_step, "verify_s": verify,
-            "draft_s": draft, "reject_s": 0.0, "rollback_s": rollback, "bookkeeping_s": bookkeeping,
-            "round_s": round_s, "hidden_s": hidden, "tokens_per_round": tokens_per_round}
+    return _account(plain_step, tokens_per_round, statistics.mean(at_width[w] for w in widths), 0.0,
+                    draft=medians["draft"], reject=0.0,
+                    rollback=medians.get("rollback", 0.0) * rolled_back_share,
+                    bookkeeping=medians.get("bookkeeping", 0.0))

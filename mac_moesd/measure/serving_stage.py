@@ -125,7 +125,7 @@ def shared_prefix_text(tokens: int, target_folder: Path | None) -> tuple[str, st
 
 
 def _key(cfg: ServingConfig, target: str | None, draft: str | None) -> str:
-    return "url:" + ",".join(n for n, _ in cfg.urls) if cfg.urls else f"{target}|{draft}"
+    return "url:" + ",".join(n for n, _ in cfg.urls) if cfg.urls else schema.pair_key(target, draft)
 
 
 def _fit_source(cfg: ServingConfig, data: dict) -> tuple[dict, str]:

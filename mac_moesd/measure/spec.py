@@ -50,8 +50,8 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.measure import timing
 from mac_moesd.measure.acceptance_run import greedy_check, logit_margin, measure_acceptance
-from mac_moesd.measure.mtp_head import DRAFTER_NAME as MTP_HEAD, MTPHead
-from mac_moesd.measure.prompt_lookup import DRAFTER_NAME as LOOKUP, LookupRule
+from mac_moesd.measure.mtp_head import MTPHead
+from mac_moesd.measure.prompt_lookup import LookupRule
 from mac_moesd.measure.round_parts import RoundParts, lookup_prediction, round_prediction
 from mac_moesd.measure.spec_audit import audit_configuration
 from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt, within
@@ -96,13 +96,13 @@ class SpecConfig:
         """``model`` (a draft model), ``self`` (self-draft), ``prompt-lookup`` or ``mtp-head``."""
         if self.mode == "self-draft":
             return "self"
-        return {LOOKUP: "prompt-lookup", MTP_HEAD: "mtp-head"}.get(self.draft, "model")
+        return schema.drafter_kind(self.draft)
 
     def __post_init__(self):
-        if self.draft == LOOKUP and self.mode != "real":
+        if self.draft == schema.PROMPT_LOOKUP and self.mode != "real":
             raise BadInput("--draft prompt-lookup proposes real tokens from the context: it runs with "
                            "--mode real only")
-        if self.draft == MTP_HEAD and self.mode != "emulated-acceptance":
+        if self.draft == schema.MTP_HEAD and self.mode != "emulated-acceptance":
             raise BadInput("--draft mtp-head is an emulated MTP head at the target's dimensions, whose "
                            "drafts mean nothing: it runs with --mode emulated-acceptance (--alpha) only")
         if self.mode not in MODES:
@@ -493,10 +493,13 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     fitted model (``model``); ``predicted_speedup`` is the first that exists, ``predicted_from``
     says which. ``plain_vs_sweep``: the stage's plain step over the sweep's pipelined T_T(B,1).
     ``timed_drafter`` (an MTP head, which no sweep times): the model prices the drafter's steps
-    as this stage timed them, the rest of the round as fitted."""
+    and rejection sampling as this stage timed them (a fit without a drafter has none), the rest
+    of the round as fitted."""
     measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"], run["batch"])
                 if realised is not None and parts.samples else None)
-    step = {"draft_step": parts.medians()["draft"] / run["gamma"]} if timed_drafter and parts.samples else {}
+    medians = parts.medians() if parts.samples else {}
+    step = ({"draft_step": medians["draft"] / run["gamma"], "reject": medians.get("reject")}
+            if timed_drafter and medians else {})
     model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding, **step)
              if predictor and realised is not None and (step or not timed_drafter) else None)
     return _prediction_record(run, parts, measured, model, sweep_step)
@@ -764,7 +767,7 @@ def prepare_models(cfg: SpecConfig, available_bytes: int | None):
             "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
     memory.start_stage()
     target.materialise()
-    if cfg.drafter_kind in ("prompt-lookup", "mtp-head"):  # no drafter model (the head is built on the target)
+    if cfg.drafter_kind in schema.DRAFTER_KINDS:  # no drafter model (the head is built on the target)
         return target, None, inputs, need, target.config["vocab_size"]
     if cfg.mode == "self-draft":
         draft = target

@@ -14,10 +14,15 @@ of a window to the same experts and make verify forwards cheaper than any real t
 (``sampling.random_ids``), as the sweep's points are fed.
 
 Sequences of a batch accept different counts; the caches are rolled back to the batch's shortest
-accepted prefix (lengths then differ by at most gamma tokens from the ideal, which does not
-change the cost of a step), while each sequence is credited its own accepted tokens. What the
-loop emits (``Decoded.outputs``) is the shared prefix and the token after it, a valid
-continuation for every sequence, so at temperature 0 it must equal plain greedy decoding.
+accepted prefix. What the loop emits (``Decoded.outputs``) is that shared prefix and the token
+after it, a valid continuation for every sequence, so at temperature 0 it must equal plain greedy
+decoding. With real drafts (a drafter's, self-draft's or the context's own) each sequence is
+credited what it emitted: a row that accepted more verifies those tokens again next round, and
+crediting them then too would count tokens no sequence emitted (43% too many at B = 4 with
+prompt lookup). So a real-mode run at B > 1 measures this loop, a lower bound on an engine that
+rolls each row back on its own. With emulated acceptance each sequence is credited its own
+accepted tokens: its draws are fresh every round, so the count is what a per-row rollback
+would give, and lengths that differ by at most gamma tokens do not change the cost of a step.
 """
 
 from __future__ import annotations
@@ -173,6 +178,8 @@ class Decoder:
                 self.draft(drafts[-1], cache=self.draft_cache)
             else:
                 self.draft_rollback.undo(gamma, kept)
+            if mode != "emulated-acceptance":
+                accepted = np.full(self.batch, shared)  # what each sequence emitted (module docstring)
             produced += accepted + 1
             per_round += [int(a) for a in accepted]
             y = next_y
@@ -209,8 +216,8 @@ class Decoder:
             accepted = accept(chosen, drafts_arr, "real", offered=lengths)
             shared, kept, y, pieces = advance(y, chosen, drafts_arr, accepted)
             rolled_back += self.target_rollback.undo(width + 1, kept) != "none"
-            produced += accepted + 1
-            per_round += [int(a) for a in accepted]
+            produced += shared + 1  # what each sequence emitted (module docstring)
+            per_round += [shared] * self.batch
             proposed += [int(n) for n in lengths]
             widths.append(width)
             emitted += pieces

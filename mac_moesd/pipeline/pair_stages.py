@@ -31,7 +31,7 @@ from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.pipeline.stages import roofline_stage, sweep_config
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, pair_spec_key
+from mac_moesd.results import ResultsStore, pair_key, pair_spec_key
 
 __all__ = ["as_swept", "pair_stages", "run_pair", "sweep_routing"]
 
@@ -103,7 +103,7 @@ def sweep_routing(store: ResultsStore, plan: PairPlan, drafters: tuple[str, ...]
                       "prompt_sets": sets, "sequences": trace.sequences, "length": trace.length,
                       "spans_per_sequence": routing_control.spans_per_sequence(trace, batch)}
     for draft in (plan.draft, *drafters):  # every drafter of the run shares the sweep
-        store.data["pairs"][f"{plan.target}|{draft}"]["sweep_routing"] = record
+        store.data["pairs"][pair_key(plan.target, draft)]["sweep_routing"] = record
     store.save()
     return record
 
@@ -112,7 +112,7 @@ def as_swept(data: dict, plan: PairPlan) -> dict:
     """``data`` with only the target's sweeps under the routing this run's sweep used, for the fit
     and the SD stage: a sweep of an earlier run under another routing stays in the file (and
     the report) but would otherwise be found first. Unchanged where no routing is recorded."""
-    record = data.get("pairs", {}).get(f"{plan.target}|{plan.draft}", {}).get("sweep_routing")
+    record = data.get("pairs", {}).get(pair_key(plan.target, plan.draft), {}).get("sweep_routing")
     if record is None:
         return data
     wanted = "" if record["key"] == "model" else record["key"]
@@ -128,7 +128,7 @@ def record_pair(store: ResultsStore, plan: PairPlan) -> None:
     stored = {"target": models.stored_format(models.resolve(plan.target_arg))}
     if plan.drafter_kind == "model":
         stored["draft"] = models.stored_format(models.resolve(plan.draft_arg))
-    store.put("pairs", f"{plan.target}|{plan.draft}", {
+    store.put("pairs", pair_key(plan.target, plan.draft), {
         "target": plan.target, "draft": plan.draft, "drafter_kind": plan.drafter_kind,
         "target_arg": plan.target_arg, "draft_arg": plan.draft_arg, "found": plan.found,
         "prompt_sets": list(plan.prompt_sets), "temperatures": list(plan.temperatures),
@@ -209,7 +209,7 @@ def _serving(plan: PairPlan, template) -> Stage:
     once a complete serving document of the pair is in the results."""
     from mac_moesd.measure import serving_stage
 
-    key = f"{plan.target}|{plan.draft}"
+    key = pair_key(plan.target, plan.draft)
     return Stage(f"serving {plan.target}",
                  lambda ctx: serving_stage.pair_stage(template, plan.target_arg, plan.draft_arg, plan.prompt_sets,
                                                       ctx.store, ctx.backend, ctx.progress.advance),

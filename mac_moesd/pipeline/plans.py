@@ -10,16 +10,13 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.measure import roofline, spec, timing
-from mac_moesd.measure.mtp_head import DRAFTER_NAME as MTP_HEAD
-from mac_moesd.measure.prompt_lookup import DRAFTER_NAME as LOOKUP
-from mac_moesd.results.schema import PAIR_MODES
+from mac_moesd.results.schema import DRAFTER_KINDS, PAIR_MODES, drafter_kind
 from mac_moesd.units import human_bytes
 
 __all__ = ["PROMPT_SETS", "PairPlan", "Plan", "default_plan", "find_default_pair", "pair_plan", "pair_plans",
            "with_models"]
 
 PROMPT_SETS = ("code", "chat")
-KINDS = {LOOKUP: "prompt-lookup", MTP_HEAD: "mtp-head"}  # the drafters --draft names without a model
 TEMPERATURES = (0.0, 1.0)
 QUICK_PROMPTS = 10
 
@@ -116,11 +113,11 @@ class PairPlan:
     @property
     def draft_arg(self) -> str:
         """What SD is given as its drafter: the model as the command line named it, or the kind."""
-        return self.draft if self.draft in KINDS else self.base.draft
+        return self.draft if self.draft in DRAFTER_KINDS else self.base.draft
 
     @property
     def drafter_kind(self) -> str:
-        return KINDS.get(self.draft, "model")
+        return drafter_kind(self.draft)
 
     def spec_config(self, prompt_set: str) -> spec.SpecConfig:
         """The SD stage of this drafter on one prompt set: with its own drafts at the pair's
@@ -156,7 +153,7 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
     without weights, a target that is not an MoE model and a prompt set that cannot be read.
     (Embedding tables padded to different sizes under one tokenizer are fine; the SD stage checks
     that both models tokenise the prompts alike.)"""
-    drafter_models = [d for d in dict.fromkeys(drafts) if d not in KINDS]
+    drafter_models = [d for d in dict.fromkeys(drafts) if d not in DRAFTER_KINDS]
     if len(drafter_models) > 1:
         raise BadInput(f"--draft names {len(drafter_models)} drafter models: a run fits one drafter's step "
                        "(name one model, and prompt-lookup or mtp-head beside it if you like)")
@@ -178,7 +175,7 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))
     # --quick: the untimed acceptance pass decodes the first 10 prompts of each set (a third of
     # a built-in set); the timed runs still cycle through all of them.
-    names = [d if d in KINDS else draft_source.name for d in dict.fromkeys(drafts)]
+    names = [d if d in DRAFTER_KINDS else draft_source.name for d in dict.fromkeys(drafts)]
     return [PairPlan(base, target_source.name, name, tuple(prompt_sets), found=found,
                      max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha) for name in names]
 

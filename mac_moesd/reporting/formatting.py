@@ -514,7 +514,7 @@ def lookup_lines(doc: dict) -> list[str]:
     rule = doc.get("lookup") or {}
     lines = [f"prompt lookup: the context's last {rule.get('max_ngram')} down to {rule.get('min_ngram')} tokens "
              "searched for, up to gamma tokens proposed; the batch's rows verify together (the longest "
-             "proposal; rows roll back to the shortest accepted prefix, each credited its own tokens)"]
+             "proposal; rows roll back to the shortest accepted prefix, each credited what it emitted)"]
     for r in doc["runs"]:
         lk = r.get("lookup")
         if lk:
@@ -568,7 +568,7 @@ def render_spec(doc: dict) -> str:
                 acc_rows.append([f"{a['temperature']:g}", str(a["gamma"]), rule, how,
                                  by_position(stats["acceptance_by_position"]),
                                  f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}",
-                                 f"{stats['alpha']:.2f}"])
+                                 _num(stats["alpha"], ".2f")])
         lines.append(table(["temp", "gamma", "rule", "how", "accepted by position", "accepted/round",
                             "sigma", "alpha"], acc_rows))
         for a in doc["acceptance"]:

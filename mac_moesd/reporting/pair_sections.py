@@ -22,9 +22,12 @@ def first_lines(d: Digest) -> list:
     """What the report is about, before anything else: the user's pair, or why random weights."""
     blocks = []
     for p in d.pairs:
-        drafter = "prompt lookup" if p.get("drafter_kind") == "prompt-lookup" else p["draft"]
+        kind = p.get("drafter_kind", "model")
+        drafter = p["draft"] if kind == "model" else KIND_NAMES[kind]
+        weights = {"model": "real weights as stored", "prompt-lookup": "the target's real weights as stored",
+                   "mtp-head": "the target's weights as stored, the head's random (acceptance imposed)"}[kind]
         blocks.append(("note", f"Your pair: target **{p['target']}** with drafter **{drafter}** "
-                       f"({p['found']}), real weights as stored; SD measured on the prompt sets "
+                       f"({p['found']}), {weights}; SD measured on the prompt sets "
                        f"{', '.join(p['prompt_sets'])} at temperatures "
                        f"{', '.join(f'{t:g}' for t in p['temperatures'])}."))
     search = d.pair_search
@@ -82,8 +85,8 @@ def _engines(p: dict) -> str:
     if p.get("drafter_kind") == "mtp-head":
         return ("(every batch with the suite's loop, drafted by an emulated MTP head on the target: one of "
                 "its decoder layers fed its last hidden state, with the target's LM head; acceptance imposed)")
-    return ("(batch 1 with mlx-lm's `speculative_generate_step`, larger batches with the suite's loop "
-            "driven by the drafter)")
+    return ("(batch 1 with mlx-lm's `speculative_generate_step` against its `generate_step`, larger "
+            "batches with the suite's loop driven by the drafter)")
 
 
 def _sweep_routing(p: dict) -> str:
@@ -238,8 +241,9 @@ def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
                    "Break-even accepted/round: the draft tokens a round would have to accept for S = 1 at "
                    "the round's measured cost ((accepted + 1) / S plain steps). At batch > 1 a "
                    "round verifies the batch's longest proposal and the batch rolls back to its shortest "
-                   "accepted prefix (each sequence credited its own accepted tokens), so one sequence without "
-                   "a proposal makes the others verify again."))
+                   "accepted prefix (each sequence credited what it emitted), so one sequence without a "
+                   "proposal holds the batch to one token that round: a lower bound on an engine that "
+                   "rolls each sequence back on its own."))
     return blocks
 
 
@@ -348,7 +352,8 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
                              "expected from p, q" if "rules" in a else "measured",
                              str(stats["rounds"]),
                              by_position(stats["acceptance_by_position"]),
-                             f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}", f"{stats['alpha']:.2f}"])
+                             f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}",
+                             "-" if stats["alpha"] is None else f"{stats['alpha']:.2f}"])
             if "rules" in a:
                 notes.append(f"{prompt_set}, temperature {a['temperature']:g}, gamma {a['gamma']}: exact "
                              f"rejection sampling gives {a['rejection_over_mlx_lm']:.2f}x the tokens per round "
@@ -364,8 +369,10 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
               ("table", ["prompt set", "temperature", "gamma", "rule", "how", "rounds",
                          "accepted at position 1..gamma", "accepted/round", "sigma", "alpha"], rows),
               ("p", f"Untimed pass, batch 1, over {_counted(docs)}. Accepted at position i: the share "
-                    "of rounds whose i-th draft token was accepted. alpha is solved from the mean accepted "
-                    "draft tokens per round, L = alpha(1 - alpha^gamma)/(1 - alpha); sigma = (L+1)/(gamma+1).")]
+                    "of rounds offering an i-th draft token (every round, for a drafter model; those whose "
+                    "proposal reached i, for prompt lookup) that accepted it. alpha is solved from the mean "
+                    "accepted draft tokens per round, L = alpha(1 - alpha^gamma)/(1 - alpha), where every "
+                    "round drafts gamma tokens (not for prompt lookup: '-'); sigma = (L+1)/(gamma+1).")]
     if notes:
         blocks.append(("list", notes))
     return blocks + [("figure", "acceptance", "Acceptance at each draft position, per prompt set and "
@@ -393,8 +400,7 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
               ("table", ["prompt set", "temperature", "B", "gamma", "engine", "alpha", "plain tok/s",
                          "SD tok/s", "measured S", "predicted (timed parts)", "error", "predicted (fit)",
                          "error", "plain vs sweep", "S with exact rejection", ROUND_HEADER, "rollback"], rows),
-              ("p", "Batch 1 runs mlx-lm's `speculative_generate_step` against its `generate_step`; larger "
-                    "batches the suite's loop with the drafter's real drafts, B prompts of the set at a time. "
+              ("p", "SD ran " + _engines(p)[1:-1] + ", B prompts of the set at a time. "
                     + precision_note(runs) + " The first prediction prices a round from the forwards the SD "
                     "stage timed beside its pairs, the second comes from the fit; both at the run's own alpha "
                     "and prompt length. Plain vs sweep: this stage's plain step over the sweep's, flagged "
@@ -475,7 +481,9 @@ def drafter_blocks(d: Digest) -> list:
         blocks += [("h2", f"Which drafter for {target}"), ("list", lines),
                    ("table", ["prompt set", "temperature", "B", "drafter", "gamma", "measured S", "answer",
                               "accepted/round", "break-even accepted/round", ""], rows),
-                   ("p", "Each kind of drafter measured on the same prompts against the same plain decoding, its "
+                   ("p", "Each kind of drafter measured on the same prompts, against plain decoding of the same "
+                         "target (at batch 1 mlx-lm's own `generate_step` where its speculative decoding ran, "
+                         "else the suite's loop's), its "
                          "fastest timed gamma at each batch (median speedup over pairs, 95% CI). Break-even "
                          "accepted/round: the draft tokens a round would have to accept for S = 1 at that "
                          "kind's measured cost of a round; a kind pays off once it accepts more. A kind timed at "

@@ -233,7 +233,7 @@ def acceptance(d: Digest, folder: Path) -> Path | None:
 
 def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
     """Each timed SD run of a pair: measured speedup against the fit's prediction."""
-    from mac_moesd.analysis.fit import run_alpha, run_prediction, speedup_predictor
+    from mac_moesd.analysis.fit import run_prediction, speedup_predictor
 
     points = []
     for p in d.pairs:
@@ -243,8 +243,9 @@ def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
             continue
         for prompt_set, doc in d.pair_spec(p).items():
             for r in valid_runs(doc["runs"]):
-                if run_alpha(r) is not None:
-                    points.append((prompt_set, r["batch"], r["measured_speedup"], run_prediction(predictor, r, doc)))
+                predicted = run_prediction(predictor, r, doc)
+                if predicted is not None:
+                    points.append((f"{prompt_set}, {p['draft']}", r["batch"], r["measured_speedup"], predicted))
     if not points:
         return None
     with plt.rc_context(STYLE):
@@ -255,7 +256,7 @@ def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
                 rows = [(m, q) for s, b, m, q in points if s == prompt_set and (b == 1) == one]
                 if rows:
                     ax.plot(*zip(*rows), marker=marker, ls="", color=f"C{i}",
-                            label=f"{prompt_set}, {'B=1 (mlx-lm)' if one else 'B>1 (loop)'}")
+                            label=f"{prompt_set}, {'B=1' if one else 'B>1'}")
         values = [v for *_, m, q in points for v in (m, q)]
         lo, hi = min(values + [1.0]) * 0.9, max(values + [1.0]) * 1.1
         ax.plot([lo, hi], [lo, hi], color="grey", ls="--", lw=1)

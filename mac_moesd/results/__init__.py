@@ -1,9 +1,10 @@
 """The results file: its documents (``schema``) and the file on disk (``store``)."""
 
-from mac_moesd.results.schema import READS, SCHEMA, pair_spec_key, parse_point_key, point_key, spec_key, upgrade
+from mac_moesd.results.schema import (READS, SCHEMA, pair_key, pair_spec_key, parse_point_key, point_key, spec_key,
+                                      upgrade)
 from mac_moesd.results.store import (ResultsBusy, ResultsStore, WriterLock, ensure_writable, incompatibility,
                                      load_results, write_atomic)
 
 __all__ = ["READS", "SCHEMA", "ResultsBusy", "ResultsStore", "WriterLock", "ensure_writable", "incompatibility",
-           "load_results", "pair_spec_key", "parse_point_key", "point_key", "spec_key", "upgrade",
+           "load_results", "pair_key", "pair_spec_key", "parse_point_key", "point_key", "spec_key", "upgrade",
            "write_atomic"]

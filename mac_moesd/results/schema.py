@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import TypedDict
 
 __all__ = [
-    "PAIR_MODES", "READS", "SCHEMA", "pair_spec_key", "parse_point_key", "point_key", "spec_key", "upgrade",
+    "DRAFTER_KINDS", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "READS", "SCHEMA", "drafter_kind", "pair_key",
+    "pair_spec_key", "parse_point_key", "point_key", "spec_key", "upgrade",
     "Meta", "Measurement", "Memory", "Footprint", "ThermalPressure",
     "Roofline", "SweepEntry", "RejectEntry", "RoutingDocument", "FitDocument", "SpecDocument", "SpecRun",
     "AcceptanceEntry", "PairRecord", "PairSearch", "ServingDocument", "ServingLeg", "ClusterShape",
@@ -58,9 +59,25 @@ def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) 
     return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
 
 
+# The drafters --draft names without a model (their names in results keys); any other name is a
+# drafter model, kind "model".
+PROMPT_LOOKUP, MTP_HEAD = "prompt-lookup", "mtp-head"
+DRAFTER_KINDS = (PROMPT_LOOKUP, MTP_HEAD)
+
+
+def drafter_kind(draft: str) -> str:
+    """The kind of drafter a --draft name is: ``prompt-lookup``, ``mtp-head`` or ``model``."""
+    return draft if draft in DRAFTER_KINDS else "model"
+
+
 # The mode a pair run measures each kind of drafter in: an MTP head with acceptance imposed
 # (it is emulated), every other kind with its own drafts.
-PAIR_MODES = {"mtp-head": "emulated-acceptance"}
+PAIR_MODES = {MTP_HEAD: "emulated-acceptance"}
+
+
+def pair_key(target: str, draft: str) -> str:
+    """The key of a ``pairs`` record (and of a launched serving document): ``"<target>|<draft>"``."""
+    return f"{target}|{draft}"
 
 
 def pair_spec_key(target: str, draft: str, drafter_kind: str, prompt_set: str) -> str:
@@ -582,7 +599,7 @@ class PromptsUsed(TypedDict, total=False):
 class SpecLayers(TypedDict, total=False):
     target: int
     target_full: int
-    draft: int | None  # null: prompt lookup, no drafter model
+    draft: int | None  # null: prompt lookup, no drafter model; 1: an MTP head
     draft_full: int | None
     sliced: bool
 
@@ -677,7 +694,7 @@ class SpecRun(TypedDict, total=False):
     gamma: int
     alpha: float | None  # imposed, or solved
     mode: str
-    drafter_kind: str  # model, self, prompt-lookup
+    drafter_kind: str  # model, self, prompt-lookup, mtp-head
     lookup: LookupRecord
     prompts: str
     temperature: float
@@ -741,8 +758,8 @@ class AcceptanceEntry(TypedDict, total=False):
 class SpecDocument(TypedDict, total=False):
     """A ``spec`` document, keyed ``<target>|<draft>|<mode>[|<prompt set>]``."""
     target: str
-    draft: str  # the drafter's resolved name, or prompt-lookup
-    drafter_kind: str  # model, self, prompt-lookup
+    draft: str  # the drafter's resolved name, or prompt-lookup / mtp-head
+    drafter_kind: str  # model, self, prompt-lookup, mtp-head
     lookup: LookupRule
     context: float
     new_tokens: int
@@ -765,7 +782,7 @@ class PairRecord(TypedDict, total=False):
     drafter of the run: a drafter model's resolved name, or prompt-lookup)."""
     target: str
     draft: str
-    drafter_kind: str  # model, prompt-lookup
+    drafter_kind: str  # model, prompt-lookup, mtp-head
     target_arg: str
     draft_arg: str
     found: str

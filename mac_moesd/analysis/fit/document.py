@@ -15,6 +15,7 @@ from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, FitInputs
 from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel, VariantFit, paper_comparison,
                                           peaks, predict, sparsity_sweep, verify_tokens)
 from mac_moesd.analysis.fit.solve import regime
+from mac_moesd.results.schema import DRAFTER_KINDS
 from mac_moesd.analysis.spec_runs import decoding_context, run_alpha
 from mac_moesd.results import point_key
 
@@ -125,7 +126,7 @@ def run_prediction(predictor, run: dict, doc: dict) -> float | None:
     SD stage timed (the verify widths, the head's step)."""
     alpha = run_alpha(run)
     # A prompt-lookup run's prediction needs its verify widths, an MTP head's its timed step: as stored.
-    if predictor is None or alpha is None or run.get("drafter_kind") in ("prompt-lookup", "mtp-head"):
+    if predictor is None or alpha is None or run.get("drafter_kind") in DRAFTER_KINDS:
         return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
     return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
 
@@ -148,9 +149,8 @@ def sweep_plain_step(data: dict, model: str):
 def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY, drafter: bool = True):
     """A function (batch, gamma, alpha, self_draft, context, draft_step=None) -> predicted S from a
     stored fit document's chosen variant, or None when the fit had no drafter to predict speedups
-    with. ``drafter=False``: for a drafter timed elsewhere (an MTP head), whose ``draft_step`` the
-    caller passes, so the fit needs none; the fit's rejection sampling then stands as fitted
-    (held at 0 by a fit without a drafter sweep).
+    with. ``drafter=False``: for a drafter timed elsewhere (an MTP head), whose ``draft_step``
+    (and, where the fit has none, ``reject``) the caller passes, so the fit needs none.
 
     The KV term is taken at the context passed in (the SD run's own), not the fit's.
     """
@@ -159,8 +159,9 @@ def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY, drafter: bool
     model = FittedModel.from_document(fit_doc)
 
     def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool, context: int,
-                    draft_step: float | None = None) -> float:
-        return float(model.speedup(batch, gamma, alpha, context, verify, self_draft, draft_step=draft_step)[()])
+                    draft_step: float | None = None, reject: float | None = None) -> float:
+        return float(model.speedup(batch, gamma, alpha, context, verify, self_draft, draft_step=draft_step,
+                                   reject=reject)[()])
 
     return predict_one
 

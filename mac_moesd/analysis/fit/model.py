@@ -74,13 +74,16 @@ class FittedModel:
         return np.where((n == 1) & (here > 0), here, curve)
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
-                self_draft: bool = False, comm: bool = True, draft_step: float | None = None) -> np.ndarray:
+                self_draft: bool = False, comm: bool = True, draft_step: float | None = None,
+                reject: float | None = None) -> np.ndarray:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
         (``pipelining``); a self-draft's step is the target's; ``draft_step``: a drafter step
-        timed elsewhere (an MTP head's, as the SD stage chained it), in place of the fitted T_D."""
+        timed elsewhere (an MTP head's, as the SD stage chained it), in place of the fitted T_D;
+        ``reject``: rejection sampling timed elsewhere, where the fit has no T_rej (no drafter)."""
         sigma = theory.normalised_acceptance(alpha, gamma)
-        plain, verify_t, draft, reject = self.step_times(batch, gamma, context, verify, self_draft, comm,
-                                                         draft_step)
+        plain, verify_t, draft, fitted_reject = self.step_times(batch, gamma, context, verify, self_draft, comm,
+                                                                draft_step)
+        reject = fitted_reject if reject is None or self.drafted else reject
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
         per_round = reject + rollback + self.bookkeeping.time(batch)
         return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
@@ -91,9 +94,11 @@ class FittedModel:
         round verified (its batch's longest proposal; 0: a one-token step), ``tokens_per_round``
         each sequence's mean, ``lookup_s`` the lookup's host seconds a round, and the share of
         rounds that rolled back (a re-forward of about the tokens a round keeps, where the target
-        re-forwards). The target's steps priced as ``speedup`` prices a drafted round's."""
+        re-forwards). The plain step pipelined as ``speedup`` prices it; the verify synchronous,
+        since nothing overlaps its graph build."""
         plain = float(self.target(batch, 1, context, pipelined=True))
-        verify = float(np.mean(self.target(batch, np.asarray(widths) + 1, context, pipelined=True)))
+        # Synchronous: the lookup runs on the host between the round's sync and the verify.
+        verify = float(np.mean(self.target(batch, np.asarray(widths) + 1, context)))
         rollback = (rolled_back_share * float(self.target(batch, tokens_per_round, context))
                     if "target" in self.reforward else 0.0)
         return tokens_per_round * plain / (lookup_s + verify + rollback + float(self.bookkeeping.time(batch)))
