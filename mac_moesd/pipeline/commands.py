@@ -172,20 +172,13 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
 
 def stored_predictor(store: ResultsStore, target: str, warn: Warn, drafter_kind: str = "model"):
     """The speedup predictor of the fit of ``target`` in ``store`` for a drafter of that kind
-    (prompt lookup and an MTP head need no drafter in the fit: ``fit.lookup_predictor``, and the
-    head's step as the SD stage times it); None, with a warning saying what to run, when there is
-    none or it cannot predict."""
+    (``fit.predictor_for``); None, with a warning saying what to run, when there is none or it
+    cannot predict."""
     fitted = store.data.get("fits", {}).get(models.resolve(target).name)
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
         return None
-    if drafter_kind == "prompt-lookup":
-        predictor = fit.lookup_predictor(fitted)
-        if predictor is None:
-            warn(f"the fit of {target} in {store.path} was made before the expert-load variants: rerun "
-                 "`mac-moesd fit` for predicted speedups")
-        return predictor
-    predictor = fit.speedup_predictor(fitted, drafter=drafter_kind != "mtp-head")
+    predictor = fit.predictor_for(fitted, drafter_kind)
     if predictor is None:
         warn(f"the fit of {target} in {store.path} cannot predict speedups (no drafter, or made before "
              "the expert-load variants): rerun `mac-moesd sweep --draft` and `mac-moesd fit`")

@@ -183,16 +183,13 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
     MTP head's with acceptance imposed (``schema.PAIR_MODES``)."""
     kind = plan.drafter_kind
     key = pair_spec_key(plan.target, plan.draft, kind, prompt_set)
-    lookup = kind == "prompt-lookup"
 
     def work(ctx: Context) -> None:
         data = ctx.store.data
         fitted = data.get("fits", {}).get(plan.target)
         if fitted is None:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
-        predictor = (fit.lookup_predictor(fitted) if lookup
-                     else fit.speedup_predictor(fitted, drafter=kind == "model"))
-        document = spec.run_spec(plan.spec_config(prompt_set), predictor, ctx.usable_bytes,
+        document = spec.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind), ctx.usable_bytes,
                                  fit.sweep_plain_step(as_swept(data, plan), plan.target))
         ctx.store.put("spec", key, document)
         spec.require_valid(document)

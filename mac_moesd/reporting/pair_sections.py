@@ -207,12 +207,16 @@ def _verdict_line(prompt_set: str, row: dict, run: dict | None) -> str:
     return text + why + _break_even(row)
 
 
+def _no_verdict(missing: str) -> tuple:
+    return ("p", f"No verdict: {missing} is missing (the skipped stages above say why); rerun the same "
+                 "command to retry them.")
+
+
 def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
     """The verdict of prompt lookup, from its timed runs (``verdict.lookup_rows``)."""
     blocks = [("h3", "Verdict for prompt lookup")]
     if not docs:
-        return blocks + [("p", "No verdict: measured SD on the prompt sets is missing (the skipped stages above "
-                               "say why); rerun the same command to retry them.")]
+        return blocks + [_no_verdict("measured SD on the prompt sets")]
     batches = tuple(sorted({1, max(p["spec_batches"])}))
     rows, lines = [], []
     for prompt_set, doc in docs.items():
@@ -251,8 +255,7 @@ def _imposed_verdict(p: dict, docs: dict[str, dict]) -> list:
     """The verdict of an MTP head, timed at an imposed acceptance: what it would need to accept."""
     blocks = [("h3", "Verdict for an MTP head (acceptance imposed)")]
     if not docs:
-        return blocks + [("p", "No verdict: measured SD on the prompt sets is missing (the skipped stages above "
-                               "say why); rerun the same command to retry them.")]
+        return blocks + [_no_verdict("measured SD on the prompt sets")]
     rows, lines = [], []
     for prompt_set, doc in docs.items():
         for batch in sorted({1, max(p["spec_batches"])}):
@@ -290,8 +293,7 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
     if fitted is None or not fitted.get("drafted") or not docs:
         missing = "the fit of the target with the drafter's step" if fitted is None or not fitted.get(
             "drafted") else "measured SD on the prompt sets"
-        return blocks + [("p", f"No verdict: {missing} is missing (the skipped stages above say why); "
-                               "rerun the same command to retry them.")]
+        return blocks + [_no_verdict(missing)]
     batches = tuple(sorted({1, max(p["spec_batches"])}))
     rows, lines = [], []
     for prompt_set, doc in docs.items():

@@ -36,7 +36,7 @@ Every public name is re-exported here, so ``fit.X`` works whichever module holds
 """
 
 from mac_moesd.analysis.fit.document import (cluster_section, decoding_context, fit_document, kv_section,
-                                             lookup_predictor, run_alpha, run_context, run_prediction,
+                                             lookup_predictor, predictor_for, run_alpha, run_context, run_prediction,
                                              speedup_predictor,
                                              sweep_plain_step)
 from mac_moesd.analysis.fit.inputs import (DEFAULT_VERIFY, NO_DRAFT, NO_PIPELINED, NO_REJECT, NO_SECOND_CONTEXT,
@@ -51,7 +51,7 @@ __all__ = [
     "BANDWIDTH_SLACK", "DEFAULT_ALPHAS", "DEFAULT_BATCHES", "DEFAULT_GAMMAS", "DEFAULT_VERIFY", "NO_DRAFT",
     "NO_PIPELINED", "NO_REJECT", "NO_SECOND_CONTEXT", "ONE_CONTEXT_ONLY", "REGIMES", "FitInputs", "FitResult",
     "FittedModel", "VariantFit", "bounds_for", "cluster_section", "decoding_context", "fit", "fit_document",
-    "fit_variant", "inputs_from_results", "kv_section", "lookup_predictor", "measure_pipelining", "mlx_sort_threshold",
-    "paper_comparison", "peaks", "predict", "regime", "run_alpha", "run_context", "run_prediction", "sparsity_sweep",
+    "fit_variant", "inputs_from_results", "kv_section", "lookup_predictor", "measure_pipelining",
+    "mlx_sort_threshold", "paper_comparison", "peaks", "predict", "predictor_for", "regime", "run_alpha", "run_context", "run_prediction", "sparsity_sweep",
     "speedup_predictor", "split", "sweep_plain_step", "verify_tokens",
 ]

@@ -19,8 +19,8 @@ from mac_moesd.results.schema import DRAFTER_KINDS
 from mac_moesd.analysis.spec_runs import decoding_context, run_alpha
 from mac_moesd.results import point_key
 
-__all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "lookup_predictor", "run_alpha",
-           "run_context", "run_prediction", "speedup_predictor", "sweep_plain_step"]
+__all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "lookup_predictor", "predictor_for",
+           "run_alpha", "run_context", "run_prediction", "speedup_predictor", "sweep_plain_step"]
 
 
 def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
@@ -164,6 +164,15 @@ def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY, drafter: bool
                                    reject=reject)[()])
 
     return predict_one
+
+
+def predictor_for(fit_doc: dict, drafter_kind: str):
+    """The SD stage's predictor for a drafter of that kind: ``lookup_predictor`` for prompt lookup,
+    else ``speedup_predictor`` (needing a fitted drafter only for a drafter model or self-draft;
+    an MTP head's step is the SD stage's own timing); None where the fit cannot predict."""
+    if drafter_kind == "prompt-lookup":
+        return lookup_predictor(fit_doc)
+    return speedup_predictor(fit_doc, drafter=drafter_kind != "mtp-head")
 
 
 def lookup_predictor(fit_doc: dict):

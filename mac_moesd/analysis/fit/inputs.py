@@ -134,8 +134,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         target=target,
         draft=[(b, s) for b, _, s in _as_pairs(side["points"])] if side else [],
         reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])] if side else [],
-        bookkeeping=tuple((b, s) for b, _, s in _as_pairs(rejects[0].get("bookkeeping_points") or {}))
-        if rejects else (),
+        bookkeeping=tuple((b, s) for b, _, s in _as_pairs(
+            next((e["bookkeeping_points"] for e in rejects if e.get("bookkeeping_points")), {}))),
         context=full["context"],
         draft_model=draft["model"] if draft else None,
         extrapolated=extrapolated,
