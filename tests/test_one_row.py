@@ -1,6 +1,5 @@
 """The one-row forward T_T(1,1) is the sweep's timing of it; every other shape the fitted curve."""
 
-
 import numpy as np
 import pytest
 
