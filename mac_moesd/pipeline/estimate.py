@@ -190,6 +190,9 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing) -> dict:
     peak = max(peak, memory.rejection_bytes(vocab, max(plan.batches), cfg.gamma))
     seconds += sum(point_seconds(memory.rejection_bytes(vocab, b, cfg.gamma) / rates.bandwidth_bytes_s,
                                  plan.budget) for b in plan.batches)
+    # Beside it, the SD loop's empty round: a read of the verify's logits at each batch.
+    seconds += sum(point_seconds(memory.logits_bytes(source.config, b, cfg.gamma + 1) / rates.bandwidth_bytes_s,
+                                 plan.budget) for b in plan.batches)
     full = int(source.config["num_hidden_layers"])
     return {"stage": f"sweep {name}", "models": models_used, "layers": slices, "layers_full": full,
             "extrapolated": len(slices) > 1, "grid": {"batch": list(plan.batches), "tokens": list(plan.tokens)},
