@@ -135,9 +135,16 @@ def test_predicted_speedup_rises_with_alpha_and_spans_gamma_plus_1(a1, a2, gamma
     lo, hi = sorted((a1, a2))
     s_lo, s_hi = (float(model.speedup(batch, gamma, a, context)) for a in (lo, hi))
     assert 0 < s_lo <= s_hi * (1 + REL)
-    # Every draft accepted against none: gamma + 1 tokens per round instead of 1, at one cost.
-    s0, s1 = (float(model.speedup(batch, gamma, a, context)) for a in (0.0, 1.0))
+    # Every draft accepted against none: gamma + 1 tokens per round instead of 1, at one cost
+    # where the drafter's last draft rides the next round's first step (mlx-lm), and at one more
+    # drafter step a round where the suite's loop feeds it on its own.
+    s0, s1 = (float(model.speedup(batch, gamma, a, context, catch_up=False)) for a in (0.0, 1.0))
     assert s1 / s0 == pytest.approx(gamma + 1)
+    plain, verify, draft, reject = (float(x) for x in model.step_times(batch, gamma, context))
+    fixed = reject + float(model.bookkeeping.time(batch))
+    looped = float(model.speedup(batch, gamma, 1.0, context, catch_up=True))
+    assert looped / s0 == pytest.approx((gamma + 1) * (gamma * draft + verify + fixed)
+                                        / ((gamma + 1) * draft + verify + fixed))
 
 
 @SETTINGS

@@ -39,7 +39,7 @@ def test_self_draft_accepts_everything():
 def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
     calls = []
 
-    def predictor(b, g, a, self_draft, context):
+    def predictor(b, g, a, self_draft, context, **loop):
         calls.append((b, g, a, self_draft, context))
         return 1.5
 
@@ -59,7 +59,7 @@ def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
 def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
     calls = []
 
-    def predictor(b, g, a, self_draft, context):
+    def predictor(b, g, a, self_draft, context, **loop):
         calls.append(a)
         return 1.0
 

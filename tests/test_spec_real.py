@@ -141,7 +141,7 @@ def test_spec_temperature_1_rows_carry_both_rules(tiny_pair):
                           new_tokens=8, repeats=1, prompts="chat", temperatures=(1.0,), max_prompts=3)
     calls = []
 
-    def predictor(batch, gamma, alpha, self_draft, context):
+    def predictor(batch, gamma, alpha, self_draft, context, **loop):
         calls.append(alpha)
         return 1.0 + alpha
 

@@ -58,8 +58,10 @@ def predicted_rows(fit_doc: dict, concurrencies: tuple[int, ...], gamma: int, pr
             row["why"] = source or "no acceptance measured for this pair and prompt set"
             row["acceptance_source"] = None
         else:
-            row["sd_batched_tok_s"] = plain * float(model.speedup(b, gamma, alpha, context))
-            row["sd_all_or_nothing_tok_s"] = plain * float(model.speedup(b, gamma, alpha ** b, context))
+            # A server's rounds as mlx-lm runs them: the last draft fed with the next round's first step.
+            row["sd_batched_tok_s"] = plain * float(model.speedup(b, gamma, alpha, context, catch_up=False))
+            row["sd_all_or_nothing_tok_s"] = plain * float(model.speedup(b, gamma, alpha ** b, context,
+                                                                         catch_up=False))
         rows.append(row)
     return rows
 

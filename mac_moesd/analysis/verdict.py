@@ -53,8 +53,9 @@ def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: 
     is the predicted S and the parts add up to it."""
     plain, verify_s, draft_step, reject = model.step_times(batch, gamma, context, verify)
     rollback = model.rollback_time(batch, gamma, alpha, context)
-    return RoundCost(float(plain), float(verify_s), gamma * float(draft_step), float(reject), float(rollback),
-                     float(model.bookkeeping.time(batch)))
+    fed = float(model.catch_up(batch, gamma, alpha))  # the drafter fed its last draft (FittedModel.speedup)
+    return RoundCost(float(plain), float(verify_s), (gamma + fed) * float(draft_step), float(reject),
+                     float(rollback), float(model.bookkeeping.time(batch)))
 
 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,

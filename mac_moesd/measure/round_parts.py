@@ -159,14 +159,19 @@ def _account(plain_step: float, tokens_per_round: float, verify: float, hidden: 
 
 
 def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, gamma: int,
-                     batch: int = 1) -> dict:
+                     batch: int = 1, catch_up: bool = False) -> dict:
     """S(B, gamma) from a round's timed parts (``RoundParts.medians``), the plain decode's step
     (seconds per token per sequence batch, pipelined as generation runs it) and the acceptance
-    the run realised; with the round's parts as priced."""
+    the run realised; with the round's parts as priced. ``catch_up`` (the suite's loop): after a
+    round that accepted every draft, the drafter is fed its last draft, one more drafter step
+    (``Decoder.speculative``), priced in the draft part by how often that happens; mlx-lm feeds
+    it with the next round's first step instead, at about the cost of that step."""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
-    rollback = parts.get("rollback", 0.0) * float(theory.rollback_probability(alpha, gamma, batch))
+    rejects = float(theory.rollback_probability(alpha, gamma, batch))
+    rollback = parts.get("rollback", 0.0) * rejects
+    draft = parts["draft"] * (1 + (1 - rejects) / gamma if catch_up else 1)
     return _account(plain_step, float(theory.expected_tokens_per_round(alpha, gamma)),
-                    max(parts["verify"] - hidden, 0.0), hidden, draft=parts["draft"],
+                    max(parts["verify"] - hidden, 0.0), hidden, draft=draft,
                     reject=parts.get("reject", 0.0), rollback=rollback, bookkeeping=parts.get("bookkeeping", 0.0))
 
 

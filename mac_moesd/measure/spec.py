@@ -495,12 +495,14 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     ``timed_drafter`` (an MTP head, which no sweep times): the model prices the drafter's steps
     and rejection sampling as this stage timed them (a fit without a drafter has none), the rest
     of the round as fitted."""
-    measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"], run["batch"])
+    measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"], run["batch"],
+                                 catch_up=run["engine"] != "mlx-lm")
                 if realised is not None and parts.samples else None)
     medians = parts.medians() if parts.samples else {}
     step = ({"draft_step": medians["draft"] / run["gamma"], "reject": medians.get("reject")}
             if timed_drafter and medians else {})
-    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding, **step)
+    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding,
+                       catch_up=run["engine"] != "mlx-lm", **step)
              if predictor and realised is not None and (step or not timed_drafter) else None)
     return _prediction_record(run, parts, measured, model, sweep_step)
 

@@ -128,7 +128,8 @@ def run_prediction(predictor, run: dict, doc: dict) -> float | None:
     # A prompt-lookup run's prediction needs its verify widths, an MTP head's its timed step: as stored.
     if predictor is None or alpha is None or run.get("drafter_kind") in DRAFTER_KINDS:
         return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
-    return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc))
+    return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc),
+                     catch_up=run["engine"] != "mlx-lm" if "engine" in run else None)
 
 
 def sweep_plain_step(data: dict, model: str):
@@ -159,9 +160,10 @@ def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY, drafter: bool
     model = FittedModel.from_document(fit_doc)
 
     def predict_one(batch: int, gamma: int, alpha: float, self_draft: bool, context: int,
-                    draft_step: float | None = None, reject: float | None = None) -> float:
+                    draft_step: float | None = None, reject: float | None = None,
+                    catch_up: bool | None = None) -> float:
         return float(model.speedup(batch, gamma, alpha, context, verify, self_draft, draft_step=draft_step,
-                                   reject=reject)[()])
+                                   reject=reject, catch_up=catch_up)[()])
 
     return predict_one
 

@@ -75,18 +75,32 @@ class FittedModel:
 
     def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
                 self_draft: bool = False, comm: bool = True, draft_step: float | None = None,
-                reject: float | None = None) -> np.ndarray:
+                reject: float | None = None, catch_up: bool | None = None) -> np.ndarray:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
         (``pipelining``); a self-draft's step is the target's; ``draft_step``: a drafter step
         timed elsewhere (an MTP head's, as the SD stage chained it), in place of the fitted T_D;
-        ``reject``: rejection sampling timed elsewhere, where the fit has no T_rej (no drafter)."""
+        ``reject``: rejection sampling timed elsewhere, where the fit has no T_rej (no drafter).
+        ``catch_up``: whether the loop feeds the drafter its last draft after a round that
+        accepted every draft (one more step, by how often that happens: the suite's loop; mlx-lm
+        folds it into the next round's first step); None: the suite's loop at B > 1, mlx-lm's at 1."""
         sigma = theory.normalised_acceptance(alpha, gamma)
         plain, verify_t, draft, fitted_reject = self.step_times(batch, gamma, context, verify, self_draft, comm,
                                                                 draft_step)
         reject = fitted_reject if reject is None or self.drafted else reject
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
-        per_round = reject + rollback + self.bookkeeping.time(batch)
+        fed = self.catch_up(batch, gamma, alpha, catch_up)
+        per_round = reject + rollback + self.bookkeeping.time(batch) + fed * draft
         return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
+
+    @staticmethod
+    def catch_up(batch, gamma: int, alpha: float, loop: bool | None = None) -> np.ndarray:
+        """Drafter steps a round adds by feeding the drafter its last draft after a round in which
+        every sequence accepted every draft (the suite's loop: alpha^(gamma B) of rounds); none
+        under mlx-lm, which feeds it with the next round's first step. ``loop`` None: the suite's
+        loop at B > 1, mlx-lm's at batch 1, as the SD stage runs them."""
+        batch = np.asarray(batch, dtype=float)
+        fed = batch > 1 if loop is None else np.full(batch.shape, bool(loop))
+        return np.where(fed, 1 - theory.rollback_probability(alpha, gamma, batch), 0.0)
 
     def lookup_speedup(self, batch: int, widths, tokens_per_round: float, lookup_s: float,
                        rolled_back_share: float, context: float) -> float:
