@@ -172,3 +172,70 @@ def test_the_measured_round_beside_its_priced_parts():
     parts = {"draft_s": 0.002, "verify_s": 0.006, "reject_s": 0.0, "rollback_s": 0.0005, "round_s": 0.0085}
     assert formatting.round_cell({"round": {**parts, "measured_s": 0.010}}).endswith("= 8.5 ms (measured 10 ms)")
     assert formatting.round_cell({"round": parts}).endswith("= 8.5 ms")
+
+
+class _Clock:
+    """A clock that only the fake models below move."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _CostedModel:
+    """A stand-in model whose every forward of B x t tokens costs ``fixed + per_token * B * t``
+    seconds on ``clock`` (and nothing else costs anything), with one plain KV cache layer."""
+
+    def __init__(self, clock: _Clock, fixed: float, per_token: float, vocab: int = 16):
+        self.clock, self.fixed, self.per_token, self.vocab = clock, fixed, per_token, vocab
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache()]
+
+    def __call__(self, tokens, cache=None):
+        import mlx.core as mx
+
+        batch, length = tokens.shape
+        self.clock.now += self.fixed + self.per_token * batch * length
+        if cache:
+            cache[0].update_and_fetch(*[mx.zeros((batch, 1, length, 4))] * 2)
+        return mx.zeros((batch, length, self.vocab))
+
+
+@pytest.mark.parametrize("batch, gamma", [(1, 2), (2, 3)])
+def test_the_round_adds_up_to_the_measured_round_on_a_fake_clock(monkeypatch, batch, gamma):
+    # Self-draft on a model whose forwards cost 1 ms + 0.25 ms a token, nothing else taking time:
+    # every round is gamma one-token drafts, a verify of gamma+1 tokens per sequence and, since
+    # every draft is accepted, the drafter fed its last draft: the priced parts (draft with its
+    # catch-up, verify, rejection, rollback, bookkeeping) must add up to the measured round.
+    import time
+
+    import numpy as np
+
+    from mac_moesd.measure.round_parts import RoundParts, round_prediction
+
+    clock = _Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    model = _CostedModel(clock, 1e-3, 0.25e-3)
+    rng = np.random.default_rng(0)
+    cfg = spec.SpecConfig(target="fake", draft="fake", batches=(batch,), gammas=(gamma,), mode="self-draft",
+                          new_tokens=2 * (gamma + 1), repeats=3)
+    decoders = spec.Decoders(model, model, batch, spec.PromptIds(spec.RANDOM_IDS, None, "random"), 8, rng,
+                             model.vocab)
+    parts = RoundParts(batch, gamma, model.vocab, with_reject=False, mode="self-draft")
+    row, _, spec_out = spec.loop_run(decoders, cfg, gamma, None, 0.0, rng, parts)
+
+    def step(tokens):
+        return 1e-3 + 0.25e-3 * batch * tokens
+
+    assert row["plain_step_s"] == pytest.approx(step(1))
+    priced = round_prediction(parts.medians(), row["plain_step_s"], 1.0, gamma, batch, catch_up=True)
+    measured = spec.measured_round_s({**row, "mean_accepted": gamma, "batch": batch})
+    # by hand: (gamma + 1) one-token steps and one verify of gamma + 1 tokens per sequence
+    assert measured == pytest.approx((gamma + 1) * step(1) + step(gamma + 1))
+    assert priced["round_s"] == pytest.approx(measured)
+    assert priced["speedup"] == pytest.approx(row["measured_speedup"])
