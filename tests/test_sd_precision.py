@@ -102,7 +102,9 @@ def test_the_empty_round_runs_the_loops_own_decision(monkeypatch):
 
     for name in ("accept", "advance"):
         monkeypatch.setattr(bookkeeping, name, spy(name))
-    point = bookkeeping.bookkeeping_point(2, 3, 50, "real", bookkeeping.argmax)
+    from mac_moesd.measure.spec_loop import sample
+
+    point = bookkeeping.bookkeeping_point(2, 3, 50, "real", lambda logits: sample(logits, 0.0))
     kept, following, drafted, emitted = point.run()
     assert called == ["accept", "advance"]
     # the stand-in drafts match nothing the argmax chose (or only by chance): shapes as a round's

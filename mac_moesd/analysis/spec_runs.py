@@ -8,13 +8,20 @@ prediction that read them.
 
 from __future__ import annotations
 
-__all__ = ["decoding_context", "measured_acceptance", "run_alpha", "valid_runs"]
+__all__ = ["decoding_context", "feeds_last_draft", "measured_acceptance", "run_alpha", "valid_runs"]
 
 
 def valid_runs(runs: list[dict]) -> list[dict]:
     """The runs a verdict may use: all but those marked invalid (a failed rollback audit or a
     greedy mismatch that is no near-tie, docs/design.md §4.7); runs made before the audit count."""
     return [r for r in runs if r.get("valid", True)]
+
+
+def feeds_last_draft(run: dict) -> bool | None:
+    """Whether the run's loop fed the drafter its last draft on its own after a round that
+    accepted every draft (the suite's loop), or with the next round's first step (mlx-lm's);
+    None for runs recorded without their engine (``FittedModel.catch_up`` then goes by batch)."""
+    return run["engine"] != "mlx-lm" if "engine" in run else None
 
 
 def decoding_context(prompt: float, new_tokens: int) -> float:

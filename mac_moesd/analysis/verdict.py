@@ -19,8 +19,9 @@ import numpy as np
 from mac_moesd.analysis import acceptance, break_even, spec_runs, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
-__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "deciding_term", "differing_term", "fastest_run",
-           "break_even_accepted", "break_even_alpha", "lookup_rows", "measured_answer", "round_cost", "timed_run", "verdict_rows"]
+__all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "break_even_accepted", "break_even_alpha",
+           "deciding_term", "differing_term", "fastest_run", "lookup_rows", "measured_answer", "round_cost",
+           "timed_run", "verdict_rows"]
 
 GAMMAS = tuple(range(1, 9))
 TERMS = ("drafter cost", "verify cost", "acceptance")
@@ -225,5 +226,6 @@ def lookup_rows(runs: list[dict], prompt_set: str, batches: tuple[int, ...]) -> 
                 "mean_accepted": run.get("mean_accepted"),
                 "proposal_rate": (run.get("lookup") or {}).get("proposal_rate"),
                 "break_even_accepted": break_even_accepted(run),
+                "run": run,  # the timed run itself, for its CI and pairs as the report shows them
             })
     return rows

@@ -21,12 +21,7 @@ import numpy as np
 from mac_moesd.measure import timing
 from mac_moesd.measure.spec_loop import accept, advance
 
-__all__ = ["argmax", "bookkeeping_point", "mlx_lm_bookkeeping"]
-
-
-def argmax(logits: mx.array) -> mx.array:
-    """The greedy choice of a token at every position, as the loops make it at temperature 0."""
-    return mx.argmax(logits, axis=-1)
+__all__ = ["bookkeeping_point", "mlx_lm_bookkeeping"]
 
 
 def _stand_ins(batch: int, gamma: int, vocab: int) -> tuple[mx.array, mx.array, mx.array]:

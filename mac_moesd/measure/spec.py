@@ -41,7 +41,7 @@ from mlx_lm.generate import generate_step, generation_stream, speculative_genera
 from mlx_lm.sample_utils import make_sampler
 
 from mac_moesd.analysis import acceptance
-from mac_moesd.analysis.spec_runs import decoding_context, measured_acceptance, run_alpha
+from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, measured_acceptance, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import schema
 from mac_moesd.inputs import prompts as prompt_sets
@@ -90,6 +90,11 @@ class SpecConfig:
     rollback: str = "auto"  # rollback.STRATEGIES
     stop_when_decided: bool = False  # a quick run: stop once the CI settles "pays off" or not
     lookup: LookupRule = LookupRule()  # the n-gram lengths of --draft prompt-lookup
+
+    @property
+    def lookup_rule(self) -> LookupRule | None:
+        """The n-gram rule the SD loop drafts with: ``lookup`` with prompt lookup, else None."""
+        return self.lookup if self.drafter_kind == "prompt-lookup" else None
 
     @property
     def drafter_kind(self) -> str:
@@ -495,14 +500,12 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     ``timed_drafter`` (an MTP head, which no sweep times): the model prices the drafter's steps
     and rejection sampling as this stage timed them (a fit without a drafter has none), the rest
     of the round as fitted."""
-    measured = (round_prediction(parts.medians(), run["plain_step_s"], realised, run["gamma"], run["batch"],
-                                 catch_up=run["engine"] != "mlx-lm")
-                if realised is not None and parts.samples else None)
-    medians = parts.medians() if parts.samples else {}
+    medians, loop = (parts.medians() if parts.samples else {}), feeds_last_draft(run)
+    measured = (round_prediction(medians, run["plain_step_s"], realised, run["gamma"], run["batch"], catch_up=loop)
+                if realised is not None and medians else None)
     step = ({"draft_step": medians["draft"] / run["gamma"], "reject": medians.get("reject")}
             if timed_drafter and medians else {})
-    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding,
-                       catch_up=run["engine"] != "mlx-lm", **step)
+    model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding, catch_up=loop, **step)
              if predictor and realised is not None and (step or not timed_drafter) else None)
     return _prediction_record(run, parts, measured, model, sweep_step)
 
@@ -588,7 +591,7 @@ class ConfigurationTimer:
     def decoders(self, batch: int) -> Decoders:
         return Decoders(self.target, self.draft, batch, self.inputs, self.cfg.context, self.rng, self.vocab,
                         random_tokens=self.cfg.mode == "emulated-acceptance", rollback=self.cfg.rollback,
-                        lookup=self.cfg.lookup if self.cfg.drafter_kind == "prompt-lookup" else None)
+                        lookup=self.cfg.lookup_rule)
 
     def grid(self, configurations: list[tuple]) -> list[dict]:
         """Every (batch, temperature, alpha, gamma) in order, one batch's decoders alive at a time."""
@@ -790,7 +793,6 @@ def acceptance_pass(cfg: SpecConfig, target, draft, inputs: PromptIds, vocab: in
     if cfg.mode != "real" or inputs.ids is None:
         return {}
     prompts = inputs.ids[: cfg.max_prompts]
-    lookup = cfg.lookup if cfg.drafter_kind == "prompt-lookup" else None
     return {(gamma, temperature): measure_acceptance(target, draft, prompts, gamma, temperature,
-                                                     cfg.new_tokens, cfg.seed, cfg.rollback, vocab, lookup)
+                                                     cfg.new_tokens, cfg.seed, cfg.rollback, vocab, cfg.lookup_rule)
             for temperature in cfg.temperatures for gamma in cfg.gammas}

@@ -39,7 +39,8 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.progress import Progress
 from mac_moesd.results import ResultsStore, parse_point_key, point_key, schema
 from mac_moesd.measure.sampling import random_ids, rejection_sample
-from mac_moesd.measure.bookkeeping import argmax, bookkeeping_point
+from mac_moesd.measure.bookkeeping import bookkeeping_point
+from mac_moesd.measure.spec_loop import sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 
@@ -505,7 +506,8 @@ def measure_reject(cfg, source, store, progress, rng, available_bytes: int | Non
     memory.start_stage()
     need = reject_estimate(vocab, cfg)
     points = {("reject", b): reject_point(b, cfg.gamma, vocab) for b in todo}
-    points.update({("bookkeeping", b): bookkeeping_point(b, cfg.gamma, vocab, "real", argmax)
+    points.update({("bookkeeping", b): bookkeeping_point(b, cfg.gamma, vocab, "real",
+                                                         lambda logits: sample(logits, 0.0))
                    for b in cfg.batches if point_key(b, cfg.gamma + 1) not in kept})
 
     def done(which, m):

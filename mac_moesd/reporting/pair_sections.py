@@ -159,15 +159,6 @@ def _why_not(row: dict) -> str:
             f"round of {gamma + 1}; with every draft accepted S would be {without:.2f}")
 
 
-def _timed(doc: dict, row: dict) -> list[dict]:
-    """The timed runs at the verdict row's batch and temperature (none for exact rejection
-    sampling, which the timed runs do not use)."""
-    if row["rule"] == "rejection":
-        return []
-    return [r for r in spec_runs.valid_runs(doc["runs"])
-            if r["batch"] == row["batch"] and r.get("temperature", 0) == row["temperature"]]
-
-
 def _worth(run: dict) -> str:
     """Whether a measured speedup pays off, judged by its CI where it has one."""
     answer = verdict.measured_answer(run)
@@ -221,8 +212,7 @@ def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
     rows, lines = [], []
     for prompt_set, doc in docs.items():
         for row in verdict.lookup_rows(doc["runs"], prompt_set, batches):
-            run = verdict.fastest_run(doc["runs"], row["batch"], row["temperature"])
-            needed = row["break_even_accepted"]
+            run, needed = row["run"], row["break_even_accepted"]
             rows.append([prompt_set, f"{row['temperature']:g}", str(row["batch"]), str(row["gamma"]),
                          measured_speedup(run), row["answer"],
                          "-" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}",
@@ -301,7 +291,9 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
         for row in verdict.verdict_rows(fitted, accepted, doc["context"], batches,
                                         runs=spec_runs.valid_runs(doc["runs"])):
             run = verdict.timed_run(doc["runs"], row)
-            fastest = max(_timed(doc, row), key=lambda r: r["measured_speedup"], default=None)
+            # none for exact rejection sampling, which the timed runs do not use
+            fastest = (None if row["rule"] == "rejection"
+                       else verdict.fastest_run(doc["runs"], row["batch"], row["temperature"]))
             rows.append([prompt_set, f"{row['temperature']:g}", row["rule"], f"{row['alpha']:.2f}",
                          str(row["batch"]), str(row["gamma"]),
                          "not timed" if run is None else measured_speedup(run),

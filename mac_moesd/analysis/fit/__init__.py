@@ -52,6 +52,7 @@ __all__ = [
     "NO_PIPELINED", "NO_REJECT", "NO_SECOND_CONTEXT", "ONE_CONTEXT_ONLY", "REGIMES", "FitInputs", "FitResult",
     "FittedModel", "VariantFit", "bounds_for", "cluster_section", "decoding_context", "fit", "fit_document",
     "fit_variant", "inputs_from_results", "kv_section", "lookup_predictor", "measure_pipelining",
-    "mlx_sort_threshold", "paper_comparison", "peaks", "predict", "predictor_for", "regime", "run_alpha", "run_context", "run_prediction", "sparsity_sweep",
+    "mlx_sort_threshold", "paper_comparison", "peaks", "predict", "predictor_for", "regime", "run_alpha",
+    "run_context", "run_prediction", "sparsity_sweep",
     "speedup_predictor", "split", "sweep_plain_step", "verify_tokens",
 ]

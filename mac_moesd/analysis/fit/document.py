@@ -16,7 +16,7 @@ from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel
                                           peaks, predict, sparsity_sweep, verify_tokens)
 from mac_moesd.analysis.fit.solve import regime
 from mac_moesd.results.schema import DRAFTER_KINDS
-from mac_moesd.analysis.spec_runs import decoding_context, run_alpha
+from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, run_alpha
 from mac_moesd.results import point_key
 
 __all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "lookup_predictor", "predictor_for",
@@ -129,7 +129,7 @@ def run_prediction(predictor, run: dict, doc: dict) -> float | None:
     if predictor is None or alpha is None or run.get("drafter_kind") in DRAFTER_KINDS:
         return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
     return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc),
-                     catch_up=run["engine"] != "mlx-lm" if "engine" in run else None)
+                     catch_up=feeds_last_draft(run))
 
 
 def sweep_plain_step(data: dict, model: str):
