@@ -106,10 +106,13 @@ precision_options = [
 ]
 
 rollback_option = click.option(
-    "--rollback", type=click.Choice(["auto", "re-forward"]), default="auto", show_default=True,
+    "--rollback", type=click.Choice(["auto", "per-position", "replay", "re-forward"]), default="auto",
+    show_default=True,
     help="How SD takes back rejected drafts. auto: trim plain KV caches, cut a full sliding window, "
-         "restore a recurrent (linear-attention, Mamba) state and re-forward the kept tokens; "
-         "re-forward: restore and re-forward on every model (the naive baseline).")
+         "select a recurrent (linear-attention, Mamba2) state kept per position, and restore and "
+         "re-forward the kept tokens where nothing cheaper is correct; per-position / replay: how a "
+         "recurrent state goes back (kept after every verify position, or the recurrence run again over "
+         "the kept tokens); re-forward: restore and re-forward on every model (the naive baseline).")
 
 # run --dry-run: another machine, or several
 dry_run_options = [

@@ -22,7 +22,8 @@ from mac_moesd.errors import MacMoesdError
 
 __all__ = ["CACHE_LAYOUTS", "PRIVATE_NAMES", "TESTED_RANGE", "MlxLmIncompatible", "PrivateName", "cache_children",
            "check_sorted_switch", "check_switch_call", "gather_sort", "in_tested_range", "incompatible",
-           "installed_version", "missing_names", "model_classes", "scatter_unsort"]
+           "installed_version", "missing_names", "model_classes", "RECURRENCES", "recurrence_sites",
+           "scatter_unsort"]
 
 # The mlx-lm releases the suite is tested on (pyproject.toml's bound): private names move between
 # minor versions, so the bound stops below the next one.
@@ -161,6 +162,38 @@ def cache_children(cache) -> tuple:
     return tuple(children)
 
 
+# ---- recurrent layers (mlx_lm/models/gated_delta.py, ssm.py) ----
+
+# The recurrence functions mlx-lm's linear-attention layers call by their module-level name:
+# GatedDeltaNet's (Qwen3-Next, Qwen3.5/3.6, Kimi-Linear, OLMo-hybrid) and Mamba2's (Nemotron-H,
+# Granite-MoE-hybrid, Falcon-H1). Each takes the running state as ``state`` and returns
+# ``(output, new_state)``.
+RECURRENCES = ("gated_delta_update", "ssm_update")
+
+
+def recurrence_sites(model) -> list[tuple[object, str]]:
+    """(module, name) of every recurrence function the model's layers call: a name of
+    ``RECURRENCES`` bound in the module that defines one of the model's classes. Empty for a
+    model whose recurrent layers compute their state another way (Jamba, Bailing-hybrid)."""
+    sites, seen = [], set()
+    for _, layer in model.named_modules():
+        module = importlib.import_module(type(layer).__module__)
+        for name in RECURRENCES:
+            function = getattr(module, name, None)
+            if callable(function) and (module.__name__, name) not in seen:
+                seen.add((module.__name__, name))
+                sites.append((module, name))
+    return sites
+
+
+def _recurrences_present() -> bool:
+    for module, name in (("mlx_lm.models.qwen3_next", "gated_delta_update"), ("mlx_lm.models.nemotron_h", "ssm_update")):
+        function = _lookup(module, name)
+        if function is None or "state" not in inspect.signature(function).parameters:
+            return False
+    return True
+
+
 # ---- what selftest reports ----
 
 
@@ -246,6 +279,8 @@ PRIVATE_NAMES = (
                 "routing, every MoE sweep (its expert counts) and --parallel expert", False, _switch_call_present),
     PrivateName("CacheList.caches", "sweep and SD of models whose caches are CacheLists", False,
                 _cache_list_present),
+    PrivateName("the layers' module-level gated_delta_update / ssm_update(..., state)",
+                "SD --rollback per-position and replay on hybrid models", False, _recurrences_present),
     PrivateName("the state layout of each prompt-cache class", "sweep and SD (copying and rolling back caches)",
                 False, _cache_layouts_present),
 )

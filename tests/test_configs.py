@@ -26,7 +26,8 @@ def test_a_nested_config_is_read_and_swept(config_dir, tmp_path):
     store = ResultsStore(tmp_path / "r.json", {"chip_slug": "t", "backend": "cpu"})
     doc = sweep.run_sweep(sweep.SweepConfig(model=str(folder), batches=(1,), tokens=(1, 2), context=8,
                                             budget=TINY_BUDGET), store, None)
-    assert doc["footprint"]["layer_kinds"] == {"attention": 1, "sliding": 0, "linear": 3, "moe": 4, "mlp": 0}
+    assert doc["footprint"]["layer_kinds"] == {"attention": 1, "sliding": 0, "linear": 3, "per_position": 3,
+                                               "moe": 4, "mlp": 0}
 
 
 def test_a_layer_pattern_gives_the_layer_count(config_dir):
@@ -34,7 +35,7 @@ def test_a_layer_pattern_gives_the_layer_count(config_dir):
     source = models.resolve(str(config_dir(config)))
     assert source.config["num_hidden_layers"] == len(config["hybrid_override_pattern"]) == 8
     kinds = models.build(source).footprint.layer_kinds
-    assert kinds == {"attention": 1, "sliding": 0, "linear": 3, "moe": 3, "mlp": 1}
+    assert kinds == {"attention": 1, "sliding": 0, "linear": 3, "per_position": 3, "moe": 3, "mlp": 1}
 
 
 def test_a_slice_cuts_the_pattern_and_the_layer_types():

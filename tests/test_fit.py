@@ -429,13 +429,20 @@ def test_sort_threshold_read_from_mlx_lm_or_defaulted(monkeypatch):
 
 @pytest.mark.slow  # several whole fits, or a fit in another process: seconds each
 def test_a_hybrid_target_or_drafter_is_fitted_to_re_forward_its_rollback():
+    """Recurrent layers the rollback cannot take back per position (a sweep that says none can,
+    as every sweep made before it could) are re-forwarded, and the fit prices it; those it can
+    take back are not."""
     data = json.loads((Path(__file__).parent / "data" / "results_quick_cpu.json").read_text())
     assert fit_inputs.inputs_from_results(data, "tiny-moe").reforward == ()  # plain KV caches: trims
+    target_kinds = {"attention": 1, "sliding": 0, "linear": 3, "moe": 4, "mlp": 0}
+    draft_kinds = {"attention": 2, "sliding": 0, "linear": 6, "per_position": 6, "moe": 0, "mlp": 8}
     for entry in data["sweeps"].values():
         if entry["model"] == "tiny-moe":
-            entry["footprint"]["layer_kinds"] = {"attention": 1, "sliding": 0, "linear": 3, "moe": 4, "mlp": 0}
+            entry["footprint"]["layer_kinds"] = target_kinds
     for entry in data["draft"].values():
-        entry["footprint"]["layer_kinds"] = {"attention": 2, "sliding": 0, "linear": 6, "moe": 0, "mlp": 8}
+        entry["footprint"]["layer_kinds"] = draft_kinds
+    assert fit_inputs.inputs_from_results(data, "tiny-moe").reforward == ("target",)
+    draft_kinds["per_position"] = 0
     inputs = fit_inputs.inputs_from_results(data, "tiny-moe")
     assert inputs.reforward == ("target", "draft")
     doc = fit.fit_document(fit.fit(inputs))

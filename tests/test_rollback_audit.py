@@ -75,12 +75,66 @@ def test_every_cache_kind_rolls_back_to_what_plain_decoding_holds(arch, strategy
     decoder = decode(config_dir, name, strategy, **overrides)
     for audit in audits(decoder):
         assert audit["ok"], audit
-    applied = decoder.target_rollback.applied
-    assert sum(applied.values()) > applied["none"]  # some rounds rejected
-    if strategy == "re-forward" or arch in ("qwen3-next", "nested qwen3.5-moe", "nemotron-h"):
-        assert applied["trim"] == applied["window"] == 0
-    else:  # gpt-oss: the verify forward leaves a window it can cut
-        assert applied["window"] > 0 and applied["re-forward"] == 0
+    for applied in (decoder.target_rollback.applied, decoder.draft_rollback.applied):
+        assert sum(applied.values()) > applied["none"]  # some rounds rejected
+        used = {how for how, rounds in applied.items() if rounds and how != "none"}
+        if strategy == "re-forward":
+            assert used == {"re-forward"}
+        elif arch in ("qwen3-next", "nested qwen3.5-moe", "nemotron-h"):  # no re-forward on a hybrid
+            assert used == {"replay" if strategy == "replay" else "per-position"}
+    if strategy != "re-forward" and arch == "gpt-oss past its window":
+        # The verify forward leaves a window it can cut; the drafter's one-token steps do not.
+        assert decoder.target_rollback.applied["window"] > 0 and decoder.target_rollback.applied["re-forward"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["per-position", "replay"])
+@pytest.mark.parametrize("arch", ["qwen3-next", "nemotron-h"])
+def test_a_recurrent_state_goes_back_to_the_kept_position_without_a_forward(arch, strategy, config_dir):
+    """Four tokens forwarded, two kept: every recurrent leaf (convolution rows and state) equals a
+    forward of those two alone from the same prompt, and nothing stays patched afterwards."""
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mac_moesd import mlxlm_compat
+    from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
+
+    name, overrides = ARCHITECTURES[arch]
+    model = build(config_dir, name, 0, **overrides)
+    prompt, tokens = mx.array([[5, 9, 2, 7, 1, 3]]), mx.array([[11, 4, 8, 6]])
+    rolled, fresh = make_prompt_cache(model), make_prompt_cache(model)
+    for caches in (rolled, fresh):
+        model(prompt, cache=caches)
+    conv_call = nn.Conv1d.__call__
+    functions = [(module, n, getattr(module, n)) for module, n in mlxlm_compat.recurrence_sites(model)]
+    undo = rollback.Rollback(model, rolled, strategy)
+    undo.mark()
+    model(tokens, cache=rolled)
+    assert undo.undo(4, tokens[:, :2]) == strategy
+    model(tokens[:, :2], cache=fresh)
+    pairs = [(a, b) for a, b in zip(leaves(rolled), leaves(fresh)) if leaf_kind(a) == "recurrent"]
+    assert pairs
+    for got, want in pairs:
+        for x, y in zip(got.cache, want.cache):
+            assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
+    assert nn.Conv1d.__call__ is conv_call
+    assert all(getattr(module, n) is f for module, n, f in functions)
+
+
+def test_a_recurrence_the_suite_cannot_follow_is_re_forwarded_or_refused():
+    """A model whose recurrent layers compute their state their own way (as Jamba's do): ``auto``
+    re-forwards, ``per-position`` and ``replay`` are refused with the reason."""
+    from mac_moesd.errors import BadInput
+
+    class OwnScan:  # a module whose own module binds no recurrence function
+        def named_modules(self):
+            return [("", self)]
+
+    caches = [KVCache(), ArraysCache(2)]
+    assert rollback.Rollback(OwnScan(), caches).recurrent_way == "re-forward"
+    for strategy in ("per-position", "replay"):
+        with pytest.raises(BadInput, match=f"--rollback {strategy} cannot .* call neither of mlx-lm's gated_delta"):
+            rollback.Rollback(OwnScan(), caches, strategy)
+    assert rollback.Rollback(OwnScan(), [KVCache()], "per-position").recurrent_way is None
 
 
 def test_which_caches_mlx_lm_rolls_back():
@@ -109,9 +163,9 @@ def test_a_spec_run_on_a_hybrid_records_its_rollback_and_audit():
     assert undeclared(doc, schema.SpecDocument, "") == []
     for run in doc["runs"]:
         record = run["rollback"]
-        assert (record["strategy"], record["requested"]) == ("re-forward", "auto") and run["valid"] is True
+        assert (record["strategy"], record["requested"]) == ("per-position", "auto") and run["valid"] is True
         assert "ArraysCache" in record["cache_kinds"] and record["audit"]["ok"] is True
-        assert record["rounds"]["target"]["re-forward"] > 0 and record["rounds"]["target"]["trim"] == 0
+        assert record["rounds"]["target"]["per-position"] > 0 and record["rounds"]["target"]["re-forward"] == 0
         assert run["round"]["median_s"]["rollback"] > 0
 
 

@@ -261,10 +261,14 @@ def layer_kinds(model: nn.Module) -> dict[str, int]:
     """How many decoder layers mix the sequence each way (``attention``, ``sliding`` window,
     ``linear``: a recurrent state, GatedDeltaNet or Mamba2), read off the caches mlx-lm makes for
     the model, and how many have a routed-expert FFN (``moe``) or a dense one (``mlp``). Nemotron-H
-    counts each block as a layer: its Mamba and attention blocks have no FFN, its FFN blocks no cache."""
-    kinds = {name: 0 for name in (*SEQUENCE_MIXERS.values(), "moe", "mlp")}
+    counts each block as a layer: its Mamba and attention blocks have no FFN, its FFN blocks no cache.
+    ``per_position``: the linear layers whose state an SD rollback can keep per position (their
+    layers call mlx-lm's shared recurrence functions); the others are re-forwarded."""
+    kinds = {name: 0 for name in (*SEQUENCE_MIXERS.values(), "per_position", "moe", "mlp")}
     for leaf in leaves(make_prompt_cache(model)):
         kinds[SEQUENCE_MIXERS[leaf_kind(leaf)]] += 1
+    if kinds["linear"] and mlxlm_compat.recurrence_sites(model):
+        kinds["per_position"] = kinds["linear"]
     for layer in model.layers:
         modules = [m for _, m in layer.named_modules()]
         if any(isinstance(m, (SwitchLinear, QuantizedSwitchLinear)) for m in modules):

@@ -407,7 +407,8 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
                   chunk: int, mlx_lm_batch1: bool, mtp_head: bool = False) -> dict:
     """Peak of measured SD at one batch: target and drafter weights, both prefilled caches grown
     to context + new_tokens + gamma (the furthest a round reaches before its trim), the verify
-    forward of gamma + 1 tokens, both logits and rejection sampling. ``draft`` None: self-draft,
+    forward of gamma + 1 tokens, both logits and rejection sampling, and the recurrent states a
+    rollback keeps (``CacheShape.snapshot_bytes``, per position). ``draft`` None: self-draft,
     prompt lookup, or with ``mtp_head`` an MTP head (one of the target's layers, its share of the
     weights, a 2d x d projection, and one attention layer's cache). With ``mlx_lm_batch1``,
     mlx-lm's own generate loops hold a second pair of batch-1 caches."""
@@ -423,9 +424,10 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     kv_decode = sum(s.bytes(decode_peak, gamma + 1) for s in shapes)
     kv_batch1 = kv_decode if mlx_lm_batch1 else 0
     # A cache that does not trim keeps its prefill's snapshot (to reset between timed runs) and
-    # the rollback's copy of its windows and states from before the round.
+    # the rollback's copy of its windows and states from before the round; a per-position
+    # rollback keeps gamma more recurrent states (one after each verify position but the last).
     snapshots = sum(0 if s.plain_kv else s.bytes(prefill_peak, first) + s.snapshot_bytes(decode_peak, gamma + 1)
-                    for s in shapes)
+                    + gamma * s.state for s in shapes)
     weights = {"weights": target.footprint.bytes_total}
     if draft is not None:
         weights["draft_weights"] = draft.footprint.bytes_total

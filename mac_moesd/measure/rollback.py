@@ -12,7 +12,11 @@ leaf has a kind (``inputs.cache_kinds``), and a rejection is undone by what that
   every one of the S tokens saw its full window), the last entries are cut off: the window is
   still whole for the next token (``window``). After one-token forwards (which overwrite the
   oldest entries in place) nothing can be cut: the leaf is restored from a snapshot.
-- ``recurrent`` (``ArraysCache``: GatedDeltaNet and Mamba states): restored from a snapshot.
+- ``recurrent`` (``ArraysCache``: GatedDeltaNet and Mamba2 states): the state after the kept
+  position, kept during the forwards and selected (``per-position``) or computed again from the
+  state before the round over the kept tokens' recurrence inputs (``replay``); see
+  ``recurrent_states``. Where the model's layers compute their state in a way the suite does not
+  record, restored from a snapshot.
 
 Whenever a leaf is restored, every leaf goes back to where it was before the forwards (kv
 leaves by trimming them all) and the kept tokens are forwarded through the whole model again
@@ -20,9 +24,11 @@ leaves by trimming them all) and the kept tokens are forwarded through the whole
 recurrent layers rebind their state arrays, and ``mx.array(x)`` holds x's value while the
 in-place window writes go to new buffers (their copy is the cost, inside the round).
 
-``strategy="re-forward"`` forces the re-forward for every rejection, on any model: the naive
-baseline. A cache class not listed is refused with its name: nothing is measured with a
-rollback that did nothing.
+``strategy``: ``auto`` takes each round back the cheapest correct way (per position for a
+recurrent state); ``per-position`` and ``replay`` choose how a recurrent state goes back (refused,
+with the reason, on a model whose state cannot); ``re-forward`` forces the re-forward for every
+rejection, on any model: the naive baseline. A cache class not listed is refused with its name:
+nothing is measured with a rollback that did nothing.
 """
 
 from __future__ import annotations
@@ -30,15 +36,17 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mac_moesd.errors import MacMoesdError
+from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
+from mac_moesd.measure import recurrent_states
 
 __all__ = ["APPLIED", "STRATEGIES", "Rollback", "mlx_lm_can_roll_back"]
 
-# What --rollback offers: each kind's cheapest correct rollback, or the re-forward for every one.
-STRATEGIES = ("auto", "re-forward")
+# What --rollback offers: each kind's cheapest correct rollback, a recurrent state's two ways back,
+# or the re-forward for every one.
+STRATEGIES = ("auto", "per-position", "replay", "re-forward")
 # How a round was rolled back, cheapest first; a run reports the costliest that happened.
-APPLIED = ("none", "trim", "window", "re-forward")
+APPLIED = ("none", "trim", "window", "per-position", "replay", "re-forward")
 
 
 def mlx_lm_can_roll_back(caches, longest: int) -> bool:
@@ -100,10 +108,34 @@ class Rollback:
         self.kinds = [leaf_kind(leaf) for leaf in self.leaves]
         self.saved: list | None = None
         self.applied = {name: 0 for name in APPLIED}
+        self.states = self._state_log(model, strategy)
+
+    def _state_log(self, model, strategy: str) -> recurrent_states.StateLog | None:
+        """How the recurrent leaves go back without a re-forward; None: they have none, or re-forward."""
+        recurrent = [leaf for leaf, kind in zip(self.leaves, self.kinds) if kind == "recurrent"]
+        if not recurrent or strategy == "re-forward":
+            return None
+        reason = recurrent_states.unsupported(model, recurrent)
+        if reason is not None:
+            if strategy != "auto":
+                raise BadInput(f"--rollback {strategy} cannot take this model's recurrent state back: {reason}")
+            return None
+        return recurrent_states.StateLog(model, recurrent, per_position=strategy != "replay")
+
+    @property
+    def recurrent_way(self) -> str | None:
+        """How a rejected round takes the recurrent states back: ``per-position``, ``replay``,
+        ``re-forward``; None without recurrent leaves."""
+        if "recurrent" not in self.kinds:
+            return None
+        return "re-forward" if self.states is None else ("per-position" if self.states.per_position else "replay")
 
     def mark(self) -> None:
-        """Remember the leaves that may need restoring (none on a model of plain KV caches)."""
+        """Remember the leaves that may need restoring (none on a model of plain KV caches), and
+        start keeping what the recurrent layers go through."""
         self.saved = [None if kind == "kv" else _snapshot(leaf) for leaf, kind in zip(self.leaves, self.kinds)]
+        if self.states is not None:
+            self.states.open()
 
     def undo(self, forwarded: int, kept: mx.array) -> str:
         """Go back to the tokens ``kept`` (batch, n) of the ``forwarded`` tokens since ``mark``
@@ -111,31 +143,41 @@ class Rollback:
         rejected = forwarded - kept.shape[1]
         if rejected < 0:
             raise ValueError(f"kept {kept.shape[1]} of {forwarded} tokens")
-        how = "none" if rejected == 0 else self._in_place(rejected)
+        try:
+            how = "none" if rejected == 0 else self._in_place(rejected, kept.shape[1])
+        finally:
+            if self.states is not None:
+                self.states.close()  # before a re-forward, whose forward is not the round's
         if how is None:
             self._reforward(forwarded, kept)
             how = "re-forward"
         self.applied[how] += 1
         return how
 
-    def _in_place(self, rejected: int) -> str | None:
-        """Trim or cut every leaf back by ``rejected`` tokens; None (nothing changed) where a leaf
-        cannot, or where the strategy forces a re-forward."""
-        if self.strategy == "re-forward" or "recurrent" in self.kinds:
+    def _in_place(self, rejected: int, kept: int) -> str | None:
+        """Trim or cut every leaf back by ``rejected`` tokens and take the recurrent states back
+        to ``kept``; None (nothing changed) where a leaf cannot, or where the strategy forces a
+        re-forward."""
+        if self.strategy == "re-forward" or ("recurrent" in self.kinds and self.states is None):
             return None
         cuts = []
         for leaf, kind in zip(self.leaves, self.kinds):
+            if kind == "recurrent":
+                continue
             if kind == "sliding" and not leaf.is_trimmable():
                 if not _can_cut(leaf, rejected):
                     return None
                 cuts.append(leaf)
             elif not _trims(leaf, rejected):
                 return None
-        for leaf in self.leaves:
+        for leaf, kind in zip(self.leaves, self.kinds):
             if any(leaf is cut for cut in cuts):
                 _cut_window(leaf, rejected)
-            else:
+            elif kind != "recurrent":
                 leaf.trim(rejected)
+        if self.states is not None:
+            self.states.select(kept)
+            return self.recurrent_way
         return "window" if cuts else "trim"
 
     def _reforward(self, forwarded: int, kept: mx.array) -> None:

@@ -5,14 +5,16 @@ drift between the two (10-18% between processes on a 2-core Linux box). So after
 the SD stage also times, on the same decoder (same prompt, same caches, rolled back), in shuffled
 order, the forwards a round is made of:
 
-- ``verify``: the target's forward of gamma+1 tokens per sequence, synchronous;
+- ``verify``: the target's forward of gamma+1 tokens per sequence, synchronous (keeping every
+  position's recurrent state where the rollback selects one: ``recurrent_states``);
 - ``target_step``: the target's one-token forward, synchronous (only to tell what pipelining
   hides from the verify: the plain decode beside it is the pipelined one-token step);
 - ``draft``: gamma drafter steps chained as the loops chain them (each next graph queued before
   waiting on the current one), the whole draft phase of a round;
 - ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance);
 - ``rollback``: both models' caches taken back after a round that kept half its drafts
-  (``rollback.Rollback``: a trim, a window cut, or a restore and re-forward of the kept tokens),
+  (``rollback.Rollback``: a trim, a window cut, a recurrent state selected or replayed, or a
+  restore and re-forward of the kept tokens),
   the verify and draft forwards before it untimed;
 - ``bookkeeping``: the round's own work besides its forwards, an "empty round" through the
   functions the suite's loop calls, or at batch 1 under mlx-lm a replica of its per-round Python
@@ -38,7 +40,8 @@ from typing import Callable
 import mlx.core as mx
 
 from mac_moesd.analysis import theory
-from mac_moesd.measure import timing
+from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
+from mac_moesd.measure import recurrent_states, timing
 from mac_moesd.measure.rolled_cache import RolledBackCache
 from mac_moesd.measure.rollback import Rollback
 from mac_moesd.measure.bookkeeping import bookkeeping_point, mlx_lm_bookkeeping
@@ -83,6 +86,9 @@ class RoundParts:
             points["bookkeeping"] = (mlx_lm_bookkeeping(self.gamma, self.vocab) if self.mlx_lm else
                                      bookkeeping_point(self.batch, self.gamma, self.vocab, self.mode, emit))
         timers = {name: (lambda point=point: timing.finite_time(point)) for name, point in points.items()}
+        if Rollback(target, target_cache.cache, self.rollback).recurrent_way == "per-position":
+            for name in [n for n in points if n == "verify" or n.startswith("verify_")]:
+                timers[name] = _keeping_every_state(target, target_cache, timers[name])
         timers["rollback"] = rollback_timer(target, draft, target_cache, draft_cache, self.batch, self.gamma,
                                             self.vocab, self.rollback)
         names = list(timers)
@@ -113,6 +119,18 @@ class RoundParts:
                 **({"verify_by_tokens": {k.removeprefix("verify_"): v for k, v in medians.items()
                                          if k.startswith("verify_")}}
                    if any(k.startswith("verify_") for k in medians) else {})}
+
+
+def _keeping_every_state(target, cache: RolledBackCache, timer: Callable[[], float]) -> Callable[[], float]:
+    """A verify timer whose forward keeps every position's recurrent state, as the verify of a
+    per-position rollback does (``recurrent_states``)."""
+    recurrent = [leaf for leaf in leaves(cache.cache) if leaf_kind(leaf) == "recurrent"]
+
+    def sample() -> float:
+        with recurrent_states.per_position_forwards(target, recurrent):
+            return timer()
+
+    return sample
 
 
 def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache | None, batch: int,

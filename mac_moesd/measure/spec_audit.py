@@ -3,10 +3,10 @@
 After a configuration's timed pairs, one more decode runs on its first pair's prompt, as the
 timed ones did, and ``rollback_audit`` compares both models' caches with plain decoding of the
 tokens it emitted. The record (a run's ``rollback``): the strategy that ran (the costliest any
-round needed: ``none`` when no round rejected, ``trim``, ``window`` or ``re-forward``), the
-strategy asked for, the cache classes of both models, how many rounds each way per model, and
-the audit ``{"ok", "max_abs_diff", "tolerance"}`` (with ``reason`` where structure or offsets
-differ).
+round needed: ``none`` when no round rejected, ``trim``, ``window``, ``per-position``,
+``replay`` or ``re-forward``), the strategy asked for, the cache classes of both models, how many
+rounds each way per model, and the audit ``{"ok", "max_abs_diff", "tolerance"}`` (with
+``reason`` where structure or offsets differ).
 
 mlx-lm's batch-1 SD (chosen only where every cache trims for the whole decode) leaves its caches
 holding the emitted tokens, or all but the last when its decode ended inside an accepted run of

@@ -174,10 +174,9 @@ class Decoder:
                     position_list.extend(np.array(position_p))
             shared, kept, next_y, pieces = advance(y, chosen, drafts_arr, accepted)
             self.target_rollback.undo(gamma + 1, kept)
+            self.draft_rollback.undo(gamma, kept[:, :gamma])  # all kept: nothing to undo
             if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
                 self.draft(drafts[-1], cache=self.draft_cache)
-            else:
-                self.draft_rollback.undo(gamma, kept)
             if mode != "emulated-acceptance":
                 accepted = np.full(self.batch, shared)  # what each sequence emitted (module docstring)
             produced += accepted + 1

@@ -180,6 +180,7 @@ class LayerKinds(TypedDict, total=False):
     attention: int  # a KV cache of every past token
     sliding: int  # a KV cache of a window
     linear: int  # a recurrent state: GatedDeltaNet, Mamba2
+    per_position: int  # linear layers an SD rollback takes back per position (the rest re-forward)
     moe: int
     mlp: int
 
@@ -669,8 +670,8 @@ class RollbackAudit(TypedDict, total=False):
 
 class RollbackRecord(TypedDict, total=False):
     """How a run's caches were rolled back after rejected drafts, and the audit of them."""
-    strategy: str  # the costliest that ran: none, trim, window, re-forward
-    requested: str  # --rollback: auto, re-forward
+    strategy: str  # the costliest that ran: none, trim, window, per-position, replay, re-forward
+    requested: str  # --rollback: auto, per-position, replay, re-forward
     cache_kinds: list[str]  # mlx-lm cache classes of target and drafter
     rounds: dict[str, dict[str, int]]  # target/draft: rounds per strategy
     audit: RollbackAudit

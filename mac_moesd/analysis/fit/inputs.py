@@ -79,7 +79,7 @@ class FitInputs:
     draft_pipelined: tuple[tuple[int, float], ...] = ()
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts per (B, t); uniform default
     kv_points: tuple[tuple[int, int, int, float], ...] = ()  # (batch, tokens, context, seconds) at a second context
-    reforward: tuple[str, ...] = ()  # models whose rollback re-forwards: those with recurrent layers
+    reforward: tuple[str, ...] = ()  # models whose rollback re-forwards (``_re_forwards``)
     bookkeeping: tuple[tuple[int, float], ...] = ()  # (batch, seconds): the SD loop's empty round
 
     @property
@@ -152,8 +152,14 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         routing=expert_reads.fit_routing(counts, footprint["experts"], footprint["top_k"]),
         kv_points=kv_points,
         reforward=tuple(who for who, fp in (("target", footprint), ("draft", draft and draft.get("footprint")))
-                        if fp and fp.get("layer_kinds", {}).get("linear")),
+                        if fp and _re_forwards(fp.get("layer_kinds", {}))),
     )
+
+
+def _re_forwards(kinds: dict) -> bool:
+    """Whether SD's default rollback re-forwards a model with these ``layer_kinds``: recurrent
+    layers it cannot take back per position (every one, in sweeps made before it could)."""
+    return kinds.get("linear", 0) > kinds.get("per_position", 0)
 
 
 def _target_view(data: dict, model: str | None):
