@@ -3,6 +3,9 @@ a decode with rejections, every cache equals a plain forward of the emitted toke
 the miniature of a zoo architecture; the no-op rollback is what mlx-lm's ``trim_prompt_cache``
 does on them (it trims nothing once any layer cannot trim)."""
 
+import json
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from mac_moesd.cli import cli
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure import rollback, spec
-from mac_moesd.measure.rollback_audit import audit_caches
+from mac_moesd.measure.rollback_audit import audit_caches, compare_caches
 from mac_moesd.measure.spec_loop import Decoder
 from mac_moesd.results import schema
 from test_results_schema import undeclared
@@ -22,9 +25,12 @@ VOCAB = 256
 
 
 def build(config_dir, name: str, seed: int, **overrides):
-    config = {**zoo.miniature(zoo.by_name(name).config), **overrides}
+    return build_config(config_dir, {**zoo.miniature(zoo.by_name(name).config), **overrides}, f"{name}-{seed}", seed)
+
+
+def build_config(config_dir, config: dict, folder: str, seed: int):
     mx.random.seed(seed)
-    built = models.build(models.resolve(str(config_dir(config, f"{name}-{seed}"))))
+    built = models.build(models.resolve(str(config_dir(config, folder))))
     built.materialise()
     return built.model
 
@@ -135,6 +141,38 @@ def test_a_recurrence_the_suite_cannot_follow_is_re_forwarded_or_refused():
         with pytest.raises(BadInput, match=f"--rollback {strategy} cannot .* call neither of mlx-lm's gated_delta"):
             rollback.Rollback(OwnScan(), caches, strategy)
     assert rollback.Rollback(OwnScan(), [KVCache()], "per-position").recurrent_way is None
+
+
+FAMILIES = Path(__file__).parent / "data" / "hybrid_families"  # mlx-lm 0.32's other hybrids, CI-sized
+# How ``auto`` takes each family's recurrent state back: per position where its layers call
+# mlx-lm's shared recurrence functions; Jamba's own Mamba scan and Bailing's GLA are re-forwarded.
+FAMILY_WAYS = {"granitemoehybrid": "per-position", "kimi_linear": "per-position", "falcon_h1": "per-position",
+               "olmo_hybrid": "per-position", "jamba": "re-forward", "bailing_hybrid": "re-forward"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_WAYS))
+def test_the_other_hybrid_families_roll_back_correctly(family, config_dir):
+    config = json.loads((FAMILIES / f"{family}.json").read_text())
+    target, draft = (build_config(config_dir, config, f"{family}-{seed}", seed) for seed in (0, 1))
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(0, VOCAB, (2, 25)))
+    decoder = Decoder(target, draft, prompt, VOCAB)
+    decoder.outputs = decoder.speculative(16, 3, "emulated-acceptance", 0.6, rng=rng).outputs
+    for audit in audits(decoder):
+        assert audit["ok"], audit
+    assert decoder.target_rollback.applied[FAMILY_WAYS[family]] > 0
+    if FAMILY_WAYS[family] == "re-forward":
+        with pytest.raises(MacMoesdError, match=f"--rollback replay cannot .*\\({family}\\) call neither"):
+            Decoder(target, draft, prompt, VOCAB, rollback="replay")
+
+
+def test_the_audit_fails_a_cache_holding_nan():
+    ones = KVCache()
+    ones.update_and_fetch(mx.ones((1, 1, 2, 4)), mx.ones((1, 1, 2, 4)))
+    nan = KVCache()
+    nan.update_and_fetch(mx.full((1, 1, 2, 4), float("nan")), mx.ones((1, 1, 2, 4)))
+    result = compare_caches([nan], [ones])
+    assert result["ok"] is False and "NaN" in result["reason"]
 
 
 def test_which_caches_mlx_lm_rolls_back():

@@ -87,6 +87,9 @@ def compare_caches(measured: list, reference: list) -> dict:
                 return {"ok": False, "max_abs_diff": None, "tolerance": None,
                         "reason": f"cache {position} ({type(a).__name__}) shapes {x.shape} and {y.shape}"}
             x32, y32 = x.astype(mx.float32), y.astype(mx.float32)
+            if not (mx.isfinite(x32).all() and mx.isfinite(y32).all()).item():  # max() would drop a NaN
+                return {"ok": False, "max_abs_diff": None, "tolerance": None,
+                        "reason": f"cache {position} ({type(a).__name__}) holds NaN or Inf"}
             scale = max(float(mx.abs(y32).max()), 1e-6)
             worst = max(worst, float(mx.abs(x32 - y32).max()) / scale)
             tolerance = max(tolerance, TOLERANCE.get(x.dtype, TOLERANCE[mx.float32]))
