@@ -67,7 +67,7 @@ def main() -> int:
                      "--json", "--out", str(out))
     print(f"{args.model} with {args.draft}, context {args.context}: fit chose `{fitted['chosen']}`, held-out "
           f"MAPE {fitted['heldout_mape']:.1%}; SD to +-{float(args.precision):.0%} or {args.budget} s a configuration")
-    print(f"{'B':>3} {'gamma':>5} {'alpha':>5} {'pairs':>5} {'measured S [95% CI]':>22} {'+-':>6} "
+    print(f"{'B':>3} {'gamma':>5} {'alpha':>5} {'pairs':>5} {'CV':>5} {'measured S [95% CI]':>22} {'+-':>6} "
           f"{'timed parts':>11} {'error':>7} {'fit':>6} {'error':>7} {'plain/sweep':>11}")
     rows = []
     for run in spec["runs"]:
@@ -76,7 +76,9 @@ def main() -> int:
         low, high = run["measured_ci"]
         by = run["predicted_by"]
         sweep = run.get("plain_vs_sweep")
+        cv = run.get("cv_pairs")
         print(f"{run['batch']:>3} {run['gamma']:>5} {run['measured_alpha']:>5.2f} {run['pairs']:>5} "
+              f"{'-' if cv is None else f'{cv:.1%}':>5} "
               f"{run['measured_speedup']:>7.3f} [{low:.3f}-{high:.3f}] {r['half_width']:>6.1%} "
               f"{by['measured']:>11.3f} {r['measured_error']:>+7.1%}{'' if r['inside'] else '*'} "
               f"{by['model']:>6.3f} {r['model_error']:>+7.1%} {'-' if sweep is None else f'{sweep:.2f}':>11}")

@@ -210,7 +210,7 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 @click.option("--batch", "batches", type=NumberList(int, minimum=1), default="1,2,4", show_default=True)
 @click.option("--gamma", "gammas", type=NumberList(int, minimum=1), default="2,4", show_default=True,
               help="Draft lengths.")
-@click.option("--alpha", "alphas", type=NumberList(float, minimum=0, open_min=True), default="0.7",
+@click.option("--alpha", "alphas", type=NumberList(float, minimum=0, open_min=True), default=str(theory.DEFAULT_ALPHA),
               show_default=True, help="Acceptance rates for --mode emulated-acceptance, in (0, 1).")
 @click.option("--mode", type=click.Choice(["real", "self-draft", "emulated-acceptance"]), default=None,
               help="real: the drafter's own tokens; self-draft: draft = target (all accepted); "
@@ -342,7 +342,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
                    "no model), mtp-head (an emulated MTP head at the target's dimensions, acceptance "
                    "imposed by --alpha), or several comma-separated, each measured on the same prompts.")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
-              help="With --draft mtp-head: the acceptance its runs impose [default: 0.7].")
+              help=f"With --draft mtp-head: the acceptance its runs impose [default: {theory.DEFAULT_ALPHA}].")
 @click.option("--prompts", "prompt_sets", default=None,
               help="With --target (or a cached pair): comma-separated prompt sets for SD and routing: "
                    "code, chat, edit, quote, or a FILE (blank-line-separated prompts, or JSONL with a 'prompt' "

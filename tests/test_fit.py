@@ -14,6 +14,7 @@ from mac_moesd.analysis import expert_reads, fit, theory
 from mac_moesd.analysis.fit import inputs as fit_inputs
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.reporting import formatting
 
 E, K, RP, BW, L = 64, 4, 10.8, 7.6e9, 64
 RT = theory.ridge_in_tokens(RP, "fp32")  # 21.6 tokens: the knee's scale for fp32 weights
@@ -120,6 +121,29 @@ def test_fit_recovers_known_parameters_from_noisy_data():
     assert result.params.reject_k == pytest.approx(TRUE.reject_k, rel=0.1)
     for name, (lo, hi) in result.bounds.items():
         assert lo <= getattr(result.params, name) <= hi
+
+
+@pytest.mark.slow  # two whole fits
+def test_the_recurrent_term_is_recovered_from_a_hybrids_sweep():
+    """A hybrid's forward adds its recurrent layers' sequential state update, k_rec seconds per
+    token per layer whatever the batch: told from Algorithm 1's terms (functions of n = B t) by
+    the grid's points of one n at several t, and held at 0 on a model without such layers."""
+    k_rec, linear = 0.0004, 3
+    data = synthetic_results(noise=0.005)
+    sweep = data["sweeps"]["m"]
+    for key, point in sweep["points"].items():
+        point["median_s"] += k_rec * linear * int(key.split("x")[1])
+    sweep["footprint"] = {**FOOTPRINT, "layer_kinds": {"attention": 1, "sliding": 0, "linear": linear,
+                                                       "per_position": linear, "moe": 4, "mlp": 0}}
+    result = fit.fit(fit.inputs_from_results(data))
+    assert result.best.k_rec == pytest.approx(k_rec, rel=0.15)
+    doc = fit.fit_document(result)
+    assert (doc["k_rec"], doc["linear_layers"]) == (result.best.k_rec, linear)
+    model = fit.FittedModel.from_document(doc)
+    for b, t in ((1, 8), (8, 1), (4, 4)):
+        assert float(model.target(b, t, L)) == pytest.approx(true_time(b, t) + k_rec * linear * t, rel=0.03)
+    assert "k_rec" in formatting.render_fit(doc)
+    assert fit.fit(fit.inputs_from_results(synthetic_results())).best.k_rec == 0.0
 
 
 def test_bounds_follow_bytes_over_bandwidth():

@@ -169,3 +169,10 @@ def test_summarise_reaches_saturation_by_default():
     assert doc["threshold_tokens"] == 95
     assert doc["activated"][-1]["t"] == 128
     assert doc["activated"][-1]["fraction"] >= 0.95
+
+
+def test_the_best_gamma_is_the_fastest_and_the_shorter_of_a_tie():
+    speeds = {1: 0.9, 2: 1.2, 3: 1.2, 4: 1.1, 5: None}
+    assert theory.best_gamma(speeds.get, (1, 2, 3, 4, 5)) == (2, 1.2)
+    assert theory.best_gamma(lambda g: None) is None
+    assert theory.best_gamma(lambda g: 1.0 - 0.01 * (g - 3) ** 2) == (3, 1.0)  # over gamma 1..8

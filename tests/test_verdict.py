@@ -93,7 +93,7 @@ def test_deciding_term_parts_add_up_to_the_predicted_speedup(fit_doc):
 def test_best_gamma_is_the_argmax_over_gamma(fit_doc):
     model = FittedModel.from_document(fit_doc)
     gamma, s = verdict.best_gamma(model, 1, 0.8, 64)
-    assert s == max(float(model.speedup(1, g, 0.8, 64)) for g in verdict.GAMMAS)
+    assert s == max(float(model.speedup(1, g, 0.8, 64)) for g in theory.CANDIDATE_GAMMAS)
     assert s == pytest.approx(float(model.speedup(1, gamma, 0.8, 64)))
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import nnls
 
+from mac_moesd.analysis import theory
 from mac_moesd.results import parse_point_key
 
 __all__ = ["CommKind", "CommTerm", "cluster_rows", "comm_term"]
@@ -90,7 +91,7 @@ def comm_term(data: dict, model: str | None = None) -> CommTerm | None:
 
 
 def cluster_rows(target, comm: CommTerm, speedup, window=lambda gamma: gamma + 1, batches=(1, 4, 16),
-                 gammas=(2, 4, 8), alpha: float = 0.7) -> list[dict]:
+                 gammas=(2, 4, 8), alpha: float = theory.DEFAULT_ALPHA) -> list[dict]:
     """Per (batch, gamma): predicted SD speedup with the measured communication and with a free
     link, and the communication share of a plain step and of a verify forward of ``window(gamma)``
     tokens (gamma+1 as the loops run it).

@@ -12,17 +12,21 @@ Sources:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 __all__ = [
+    "CANDIDATE_GAMMAS",
+    "DEFAULT_ALPHA",
     "EXPERT_LOADS",
     "MLX_SORT_THRESHOLD",
     "WEIGHT_FORMATS",
     "TimeModel",
     "activated_experts",
     "activated_fraction",
+    "best_gamma",
     "bytes_per_param",
     "compute_transition",
     "kept_on_rollback",
@@ -46,6 +50,19 @@ __all__ = [
 
 # Slack for ceil() of a ratio of logarithms that is an integer up to rounding.
 _CEIL_SLACK = 1e-9
+
+# The acceptance assumed wherever none was measured (predictions, an MTP head's imposed runs, a
+# pair's ETA before its acceptance pass), and the draft lengths a recommendation is chosen from.
+DEFAULT_ALPHA = 0.7
+CANDIDATE_GAMMAS = tuple(range(1, 9))
+
+
+def best_gamma(speedup_at: Callable[[int], float | None],
+               gammas: tuple[int, ...] = CANDIDATE_GAMMAS) -> tuple[int, float] | None:
+    """(gamma, S) of the draft length with the highest speedup ``speedup_at(gamma)`` (None where
+    it has none); None when no gamma has one. Ties go to the shorter draft."""
+    speeds = [(g, s) for g in gammas if (s := speedup_at(g)) is not None]
+    return max(speeds, key=lambda gs: (gs[1], -gs[0])) if speeds else None
 
 
 def sparsity(experts: int, top_k: int) -> float:

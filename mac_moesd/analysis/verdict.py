@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from mac_moesd.analysis import acceptance, break_even, spec_runs, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
@@ -23,7 +21,6 @@ __all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "break_even_accepted
            "deciding_term", "differing_term", "fastest_run", "lookup_rows", "measured_answer", "round_cost",
            "timed_run", "verdict_rows"]
 
-GAMMAS = tuple(range(1, 9))
 TERMS = ("drafter cost", "verify cost", "acceptance")
 
 
@@ -60,11 +57,9 @@ def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: 
 
 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
-               gammas: tuple[int, ...] = GAMMAS) -> tuple[int, float]:
+               gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS) -> tuple[int, float]:
     """(gamma, predicted S) of the draft length with the highest predicted speedup."""
-    speeds = [float(model.speedup(batch, g, alpha, context)) for g in gammas]
-    i = int(np.argmax(speeds))
-    return gammas[i], speeds[i]
+    return theory.best_gamma(lambda g: float(model.speedup(batch, g, alpha, context)), gammas)
 
 
 def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, context: int) -> dict:

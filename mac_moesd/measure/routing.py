@@ -234,14 +234,14 @@ def routing_document(
     batches: tuple[int, ...],
     tokens: tuple[int, ...],
     tau: float,
-    gammas: tuple[int, ...] = tuple(range(1, 9)),
+    gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS,
 ) -> dict:
     windows = [count_windows(indices, b, t) for b in batches for t in tokens]
     return analyse_windows(windows, experts, top_k, tau, gammas)
 
 
 def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
-                    gammas: tuple[int, ...] = tuple(range(1, 9))) -> dict:
+                    gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS) -> dict:
     """Correlations, thresholds and verify-window saturation from counted windows (measured or
     stored in a results file)."""
     rho = theory.sparsity(experts, top_k)
@@ -290,7 +290,7 @@ def reanalyse(document: dict) -> dict:
     """A stored routing document with its fits redone from its counted windows (no new routing)."""
     windows = [Window(w["batch"], w["tokens"], w["measured_unique"], w["std_unique"], w["windows"])
                for w in document["windows"]]
-    gammas = tuple(sorted({s["gamma"] for s in document["saturation"]})) or tuple(range(1, 9))
+    gammas = tuple(sorted({s["gamma"] for s in document["saturation"]})) or theory.CANDIDATE_GAMMAS
     return {**document, **analyse_windows(windows, document["experts"], document["top_k"],
                                           document["tau"], gammas)}
 

@@ -40,7 +40,7 @@ import numpy as np
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mac_moesd.analysis import acceptance
+from mac_moesd.analysis import acceptance, theory
 from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, measured_acceptance, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import schema
@@ -66,7 +66,6 @@ LOOP = "mac-moesd loop"
 # Batch 1, real mode, where mlx-lm's SD would not roll these caches back correctly.
 LOOP_FOR_MLX_LM = "mac-moesd loop (mlx-lm cannot roll these caches back)"
 LOOP_FOR_LOOKUP = "mac-moesd loop (mlx-lm has no prompt lookup)"
-CANDIDATE_GAMMAS = tuple(range(1, 9))  # the draft lengths a recommendation is chosen from
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class SpecConfig:
     draft: str
     batches: tuple[int, ...] = (1, 2, 4)
     gammas: tuple[int, ...] = (2, 4)
-    alphas: tuple[float, ...] = (0.7,)
+    alphas: tuple[float, ...] = (theory.DEFAULT_ALPHA,)
     mode: str = "emulated-acceptance"
     context: int = 64  # prompt tokens of a random-weight model (real prompts set their own)
     new_tokens: int = 32  # tokens each sequence generates per timed run
@@ -272,6 +271,7 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "tokens_per_s_sd": statistics.median(spec_rates),
         "cv_plain": cv(plain_rates),
         "cv_sd": cv(spec_rates),
+        "cv_pairs": cv(speedups),
         "measured_speedup": statistics.median(speedups),
         "speedup_range": [min(speedups), max(speedups)],
         "pairs": len(speedups),
@@ -487,9 +487,8 @@ def recommended_gamma(predictor, batch: int, alpha: float | None, context: float
     no acceptance), so that the stage times the configuration a verdict would recommend."""
     if predictor is None or alpha is None:
         return None
-    speeds = {g: predictor(batch, g, alpha, False, context) for g in CANDIDATE_GAMMAS}
-    speeds = {g: s for g, s in speeds.items() if s is not None}
-    return max(speeds, key=speeds.get) if speeds else None
+    best = theory.best_gamma(lambda g: predictor(batch, g, alpha, False, context))
+    return None if best is None else best[0]
 
 
 def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: float | None,

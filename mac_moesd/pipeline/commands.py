@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from mac_moesd.analysis import fit
+from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
 from mac_moesd.machine import blas, hardware, memory, metadata
@@ -226,7 +226,7 @@ class RunOptions:
     prompts_given: bool = False  # --prompts was given
     serving: bool = False
     rollback: str = "auto"  # --rollback
-    alpha: float = 0.7  # --alpha: the acceptance an MTP head's runs impose
+    alpha: float = theory.DEFAULT_ALPHA  # --alpha: the acceptance an MTP head's runs impose
 
 
 @dataclass

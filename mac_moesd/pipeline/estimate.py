@@ -31,7 +31,7 @@ __all__ = ["Rates", "Sizing", "chip_rates", "dry_run", "parse_chip"]
 # Apple's newest per-core FP32 figure (M2: 3.6 TFLOPS over 10 GPU cores, hardware.APPLE_CHIPS)
 # stands in for chips without a published one (M3 and later), whose GPU cores are no slower.
 _M2_PER_CORE = 3.6e12 / 10
-PAIR_ALPHA = 0.7  # a real pair's acceptance, unknown before it runs, for its SD stage's ETA
+PAIR_ALPHA = theory.DEFAULT_ALPHA  # a real pair's acceptance, unknown before it runs, for its SD stage's ETA
 # The spread of per-pair speedups the SD stage's ETA assumes (unknown before it runs): the 95% CI
 # of a median of n pairs is about +-1.96*1.2533*spread/sqrt(n) wide (the median's standard error
 # for normal data), so a precision p takes n = (2.46*spread/p)^2 pairs, 17 at 5% and +-3%.
@@ -225,7 +225,7 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     target = plan.moe[0]
     cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
-                          alphas=(0.7,), context=plan.context, new_tokens=plan.spec_tokens,
+                          alphas=(theory.DEFAULT_ALPHA,), context=plan.context, new_tokens=plan.spec_tokens,
                           repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits,
                           stop_when_decided=plan.spec_stop_when_decided)
     t, d, need = spec.plan_models(cfg, usable, dtype)

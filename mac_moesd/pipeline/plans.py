@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
@@ -104,7 +105,7 @@ class PairPlan:
     routing_length: int = 16  # tokens per routed sequence, one per prompt: prompts are short
     found: str = "given on the command line"
     max_prompts: int | None = None  # prompts per set the acceptance pass decodes (None: all)
-    alpha: float = 0.7  # the acceptance an MTP head's runs impose (run --alpha)
+    alpha: float = theory.DEFAULT_ALPHA  # the acceptance an MTP head's runs impose (run --alpha)
 
     @property
     def target_arg(self) -> str:
@@ -145,7 +146,7 @@ def pair_plan(backend: str, quick: bool, target: str, draft: str,
 
 def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
                prompt_sets: tuple[str, ...] = PROMPT_SETS, found: str = "given on the command line",
-               alpha: float = 0.7) -> list[PairPlan]:
+               alpha: float = theory.DEFAULT_ALPHA) -> list[PairPlan]:
     """The default run's grids and budgets for this backend, on ``target`` with each of ``drafts``
     (a drafter model, at most one, ``prompt-lookup`` and ``mtp-head``, whose runs impose
     ``alpha``), one plan per drafter sharing the grids,

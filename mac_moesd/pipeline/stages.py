@@ -10,7 +10,7 @@ document a stage writes records the thermal pressure before and after the stage
 
 from __future__ import annotations
 
-from mac_moesd.analysis import fit
+from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine import memory
 from mac_moesd.measure import roofline, routing, spec, sweep
@@ -87,7 +87,7 @@ def _spec(plan: Plan) -> Stage:
         if target not in data.get("fits", {}):
             raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
         cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
-                              gammas=plan.spec_gammas, alphas=(0.7,), context=plan.context,
+                              gammas=plan.spec_gammas, alphas=(theory.DEFAULT_ALPHA,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
                               stop_when_decided=plan.spec_stop_when_decided)

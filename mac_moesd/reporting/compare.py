@@ -9,13 +9,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mac_moesd.analysis import theory  # noqa: E402
 from mac_moesd.analysis.digest import Digest  # noqa: E402
 from mac_moesd.errors import BadInput  # noqa: E402
 from mac_moesd.results import load_results, validate  # noqa: E402
 
 __all__ = ["REFERENCE_GPUS", "compare", "machine_row_of"]
 
-ALPHA, GAMMA = 0.7, 4
+ALPHA, GAMMA = theory.DEFAULT_ALPHA, 4
 
 # Published, not measured: bandwidth and dense BF16 tensor throughput (no sparsity).
 REFERENCE_GPUS = (

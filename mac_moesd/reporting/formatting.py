@@ -433,9 +433,11 @@ def render_fit(doc: dict) -> str:
               [[k, _num(v), f"{doc['bounds'][k][0]:.3g}",
                 "inf" if doc["bounds"][k][1] is None else f"{doc['bounds'][k][1]:.3g}"] for k, v in p.items()]
               + [["k_kv", f"{doc['k_kv']:.4g}", "0", "inf"],
-                 ["k_seq", f"{doc.get('k_seq', 0.0):.4g}", "0", "inf" if (doc.get("kv") or {}).get("separated") else "0"]]),
+                 ["k_seq", f"{doc.get('k_seq', 0.0):.4g}", "0", "inf" if (doc.get("kv") or {}).get("separated") else "0"],
+                 ["k_rec", f"{doc.get('k_rec', 0.0):.4g}", "0", "inf" if doc.get("linear_layers") else "0"]]),
         "k_kv: MagicDec's KV-read term, seconds per cached token per sequence; k_seq: seconds per "
-        "sequence whatever the context (together B * (k_seq + k_kv * L))",
+        "sequence whatever the context (together B * (k_seq + k_kv * L)); k_rec: seconds per token "
+        f"per recurrent layer, whatever the batch ({doc.get('linear_layers', 0)} layers: k_rec * layers * t)",
         *kv_lines(doc),
         "",
     ]

@@ -152,7 +152,7 @@ def fit_scatter(d: Digest, folder: Path) -> Path | None:
         return _save(fig, folder, "fit")
 
 
-def speedup(d: Digest, folder: Path, alpha: float = 0.7) -> Path | None:
+def speedup(d: Digest, folder: Path, alpha: float = theory.DEFAULT_ALPHA) -> Path | None:
     """Predicted S(B, gamma) against B per gamma: batch 1, saturation and peak window marked."""
     fits = [f for f in d.fits if f["drafted"]]
     if not fits:

@@ -27,7 +27,7 @@ from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, lookup_
 
 __all__ = ["build_blocks", "write_report"]
 
-TYPICAL_ALPHA = 0.7
+TYPICAL_ALPHA = theory.DEFAULT_ALPHA
 
 
 def f2(x: float) -> str:
@@ -66,8 +66,10 @@ def _title(d: Digest) -> list:
 
 
 def _best_gamma(fit: dict, alpha: float) -> dict:
-    rows = [p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == alpha]
-    return max(rows, key=lambda p: p["speedup"])
+    """The fit's stored batch-1 prediction row of the best gamma at ``alpha``."""
+    rows = {p["gamma"]: p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == alpha}
+    gamma, _ = theory.best_gamma(lambda g: rows[g]["speedup"] if g in rows else None, tuple(sorted(rows)))
+    return rows[gamma]
 
 
 def _verdict(d: Digest) -> list:
@@ -341,9 +343,10 @@ def _fit(d: Digest, figures) -> list:
                        "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
         blocks += [("p", line[0].upper() + line[1:] + ".")
                    for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f) + kv_lines(f)
-                   + _bookkeeping_lines(f)]
-        rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [["k_kv", f"{f['k_kv']:.4g}"],
-                                                                                 ["k_seq", f"{f.get('k_seq', 0.0):.4g}"]]
+                   + _recurrence_lines(f) + _bookkeeping_lines(f)]
+        rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [
+            ["k_kv", f"{f['k_kv']:.4g}"], ["k_seq", f"{f.get('k_seq', 0.0):.4g}"],
+            *([["k_rec", f"{f['k_rec']:.4g}"]] if f.get("linear_layers") else [])]
         blocks.append(("table", ["parameter", f"value (`{f['chosen']}`)"], rows))
         for line in f["missing"]:
             blocks.append(("note", line))
@@ -379,6 +382,18 @@ def _bookkeeping_lines(f: dict) -> list[str]:
         cost = verdict.round_cost(model, 1, 4, f["context"], TYPICAL_ALPHA)
         text += f": {cost.bookkeeping / cost.round:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"
     return [text]
+
+
+def _recurrence_lines(f: dict) -> list[str]:
+    """A hybrid's fitted recurrent term, and its share of a batch-1 verify of gamma 4."""
+    if not f.get("linear_layers"):
+        return []
+    model = fit_module.FittedModel.from_document(f)
+    layers, tokens = f["linear_layers"], 5
+    verify = float(model.target(1, tokens, f["context"]))
+    share = f["k_rec"] * layers * tokens / verify
+    return [f"the {layers} recurrent layers' sequential state update is k_rec = {f['k_rec'] * 1e6:.1f} us per "
+            f"token per layer, whatever the batch: {share:.0%} of a batch-1 verify of {tokens} tokens"]
 
 
 def _questions(d: Digest) -> list:

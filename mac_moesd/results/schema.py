@@ -432,6 +432,7 @@ class Variant(TypedDict, total=False):
     params: dict[str, float | None]
     k_kv: float
     k_seq: float
+    k_rec: float  # seconds per token per recurrent layer (0: none)
     knee_tokens: float | None
     worst_point: FitPoint
 
@@ -572,6 +573,8 @@ class FitDocument(TypedDict, total=False):
     params: dict[str, float | None]
     k_kv: float  # seconds per cached token per sequence
     k_seq: float  # seconds per sequence
+    k_rec: float  # seconds per token per recurrent layer, whatever the batch (0: none)
+    linear_layers: int  # the target's recurrent layers, k_rec's multiplier
     kv: KvTerm
     bounds: dict[str, list[float | None]]  # [low, high or null for unbounded]
     train_points: list[FitPoint]
@@ -717,6 +720,7 @@ class SpecRun(TypedDict, total=False):
     tokens_per_s_sd: float
     cv_plain: float
     cv_sd: float
+    cv_pairs: float  # the per-pair speedups' coefficient of variation: what sets the pairs needed
     measured_speedup: float
     speedup_range: list[float]  # [min, max]
     measured_ci: list[float]  # [low, high]

@@ -1,6 +1,7 @@
 """Fit MoESD's Algorithm-1 time model to measured T_T(B,t), T_D(B,1), T_rej(B); predict S(B,gamma).
 
-The 10 parameters, plus MagicDec's KV term k_kv*B*L and a cost per sequence k_seq*B, are fitted jointly with scipy's
+The 10 parameters, plus MagicDec's KV term k_kv*B*L, a cost per sequence k_seq*B and, on a hybrid,
+its recurrent layers' sequential state update k_rec*layers*t, are fitted jointly with scipy's
 trust-region-reflective least squares on relative residuals (every point weighs alike, as the
 held-out MAPE does), once per expert-load variant (``theory.EXPERT_LOADS``); held-out error picks
 the variant the predictions use, refitted on every point. Bounds follow MoESD: bias in
@@ -25,6 +26,11 @@ points timed at a second, shorter context (``kv_points``), fitted with the rest.
 them has one context only, where the two are the same function of B: k_seq is held at 0 and k_kv
 carries both, which overstates the growth with context (on the CPU backend the ``mlx`` variant
 fitted 5.5x the cache's bytes over the measured bandwidth) and the output says so.
+
+The recurrent term grows with the tokens of a forward, not with the batch (each layer's state
+update runs position after position; the batch's sequences side by side), so the grid's points of
+one n = B*t at several t tell it from Algorithm 1's terms, which are functions of n. It is free
+only where the sweep's footprint counts linear-attention or Mamba layers, and held at 0 elsewhere.
 
 A sharded sweep (``sweep --parallel``) adds its measured communication term C(n)
 (``analysis.cluster``) to T_T, fixed, not fitted; the document then has a ``cluster`` section.

@@ -52,7 +52,7 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "chosen": result.chosen,
         "regime": regime(result),
         "variants": [{"name": v.name, "heldout_mape": v.heldout_mape, "params": _params_doc(v, i.drafted),
-                      "k_kv": v.k_kv, "k_seq": v.k_seq, "knee_tokens": v.params.knee(i.ridge_tokens),
+                      "k_kv": v.k_kv, "k_seq": v.k_seq, "k_rec": v.k_rec, "knee_tokens": v.params.knee(i.ridge_tokens),
                       "worst_point": v.worst}
                      for v in result.variants],
         "missing": list(i.missing),
@@ -63,6 +63,8 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "params": _params_doc(best, i.drafted),
         "k_kv": best.k_kv,
         "k_seq": best.k_seq,
+        "k_rec": best.k_rec,
+        "linear_layers": i.linear_layers,
         "kv": kv_section(result),
         "bounds": {k: [lo, hi if math.isfinite(hi) else None] for k, (lo, hi) in best.bounds.items()},
         "train_points": best.train,

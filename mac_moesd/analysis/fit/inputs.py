@@ -80,6 +80,7 @@ class FitInputs:
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts per (B, t); uniform default
     kv_points: tuple[tuple[int, int, int, float], ...] = ()  # (batch, tokens, context, seconds) at a second context
     reforward: tuple[str, ...] = ()  # models whose rollback re-forwards (``_re_forwards``)
+    linear_layers: int = 0  # the target's recurrent (linear-attention, Mamba2) layers: k_rec's multiplier
     bookkeeping: tuple[tuple[int, float], ...] = ()  # (batch, seconds): the SD loop's empty round
 
     @property
@@ -153,6 +154,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         kv_points=kv_points,
         reforward=tuple(who for who, fp in (("target", footprint), ("draft", draft and draft.get("footprint")))
                         if fp and _re_forwards(fp.get("layer_kinds", {}))),
+        linear_layers=int(footprint.get("layer_kinds", {}).get("linear", 0)),
     )
 
 

@@ -19,7 +19,7 @@ __all__ = ["DEFAULT_ALPHAS", "DEFAULT_BATCHES", "DEFAULT_GAMMAS", "FitResult", "
            "paper_comparison", "peaks", "predict", "sparsity_sweep", "verify_tokens"]
 
 DEFAULT_ALPHAS = (0.5, 0.7, 0.9)
-DEFAULT_GAMMAS = tuple(range(1, 9))
+DEFAULT_GAMMAS = theory.CANDIDATE_GAMMAS
 DEFAULT_BATCHES = tuple(range(1, 65))
 
 
@@ -48,11 +48,16 @@ class FittedModel:
     # trim, docs/design.md §4.7): ``target`` and/or ``draft``; none for plain KV caches.
     reforward: tuple[str, ...] = ()
     bookkeeping: Bookkeeping = Bookkeeping()  # the SD loop's own work a round (zero: not timed)
+    # The recurrent layers' sequential state update: seconds per token per layer, whatever the
+    # batch (``linear_layers`` of them; 0 on a model without one).
+    k_rec: float = 0.0
+    linear_layers: int = 0
 
     def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True,
                active=None) -> np.ndarray:
-        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus a
-        sharded forward's communication C(n) (``comm=False``: a free link); with ``pipelined``,
+        """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus the
+        recurrent layers' k_rec * layers * t, plus a sharded forward's communication C(n)
+        (``comm=False``: a free link); with ``pipelined``,
         less the graph-building time a pipelined loop hides. The one-row forward (n = 1) is the
         sweep's own timing where it has one, carried from its context to L by the KV term.
         ``active``: the unique experts at those points, where the caller has them already."""
@@ -62,8 +67,9 @@ class FittedModel:
         if active is None:
             active = self.routing.unique(batch, tokens, self.experts, self.top_k)
         kv = theory.kv_time(batch, context, self.k_kv, self.k_seq)
+        recurrence = self.k_rec * self.linear_layers * np.asarray(tokens, dtype=float)
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
-                                        self.sort_threshold, active) + kv + link)
+                                        self.sort_threshold, active) + kv + recurrence + link)
         curve = pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
         if self.one_row is None:
             return curve
@@ -174,7 +180,7 @@ class FittedModel:
                    cluster.CommTerm.from_dict(comm) if comm else None,
                    expert_reads.Routing.from_dict(doc.get("routing")),
                    OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0), tuple(doc.get("reforward", ())),
-                   Bookkeeping.from_dict(doc.get("bookkeeping")))
+                   Bookkeeping.from_dict(doc.get("bookkeeping")), v.get("k_rec", 0.0), doc.get("linear_layers", 0))
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,7 @@ class VariantFit:
     cost: float
     k_seq: float = 0.0  # seconds per sequence that do not grow with context (0: not told apart)
     kv_rows: list[dict] = field(default_factory=list)  # the fit at the second context
+    k_rec: float = 0.0  # seconds per token per recurrent layer (0: none)
 
 
 @dataclass(frozen=True)
@@ -231,7 +238,7 @@ class FitResult:
         row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
                            i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq,
-                           i.reforward, self.bookkeeping)
+                           i.reforward, self.bookkeeping, v.k_rec, i.linear_layers)
 
 
 def predict(
@@ -293,7 +300,7 @@ def peaks(predictions: list[dict]) -> list[dict]:
     return out
 
 
-def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=0.7, batches=DEFAULT_BATCHES,
+def sparsity_sweep(model: FittedModel, context: int, gamma=4, alpha=theory.DEFAULT_ALPHA, batches=DEFAULT_BATCHES,
                    verify=DEFAULT_VERIFY) -> list[dict]:
     """The same fitted model with K changed (as MoESD edits num_experts_per_tok).
 

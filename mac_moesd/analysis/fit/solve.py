@@ -161,7 +161,7 @@ def fit_variant(inputs: FitInputs, loads: str) -> VariantFit:
     worst = max(held_rows, key=lambda r: abs(r["error"])) if held_rows else None
     return VariantFit(loads, fitted.params, fitted.k_kv, bounds_for(inputs, loads),
                       _rows(inputs, loads, fitted, inputs.target), held_rows, mape, worst, fitted.cost,
-                      fitted.k_seq, _rows(inputs, loads, fitted, inputs.kv_points))
+                      fitted.k_seq, _rows(inputs, loads, fitted, inputs.kv_points), fitted.k_rec)
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ class _Solved:
     k_kv: float
     k_seq: float
     cost: float
+    k_rec: float = 0.0
 
 
 def _target_time(inputs: FitInputs, loads: str, solved, batch, tokens, context=None, active=None):
@@ -178,7 +179,7 @@ def _target_time(inputs: FitInputs, loads: str, solved, batch, tokens, context=N
     communication (``FittedModel.target``, synchronous)."""
     fitted = FittedModel(solved.params, solved.k_kv, inputs.experts, inputs.top_k, inputs.ridge_tokens, loads,
                          inputs.sort_threshold, inputs.drafted, comm=inputs.comm, routing=inputs.routing,
-                         k_seq=solved.k_seq)
+                         k_seq=solved.k_seq, k_rec=solved.k_rec, linear_layers=inputs.linear_layers)
     return fitted.target(batch, tokens, inputs.context if context is None else context, active=active)
 
 
@@ -196,12 +197,15 @@ def _rows(inputs: FitInputs, loads: str, solved, points) -> list[dict]:
 
 def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
     """Least squares on relative residuals of ``points``, the points at the second context and
-    the drafter and rejection steps. k_seq is free only where a second context separates it."""
+    the drafter and rejection steps. k_seq is free only where a second context separates it,
+    k_rec only on a target with recurrent layers (a term in t alone, told from the others, which
+    are functions of n = B t, by the grid's points of one n at several t)."""
     bounds = bounds_for(inputs, loads)
     names = theory.TimeModel.names()
     seq_hi = np.inf if inputs.kv_points else 0.0
-    lo_all = np.append([bounds[n][0] for n in names], [0.0, 0.0])
-    hi_all = np.append([bounds[n][1] for n in names], [np.inf, seq_hi])
+    rec_hi = np.inf if inputs.linear_layers else 0.0
+    lo_all = np.append([bounds[n][0] for n in names], [0.0, 0.0, 0.0])
+    hi_all = np.append([bounds[n][1] for n in names], [np.inf, seq_hi, rec_hi])
     if np.any(lo_all > hi_all):
         raise MacMoesdError("inconsistent bounds: check the bandwidth and byte counts")
     free = lo_all < hi_all
@@ -220,7 +224,7 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
         return out
 
     def solved(v) -> _Solved:
-        return _Solved(theory.TimeModel.from_vector(v[:-2]), float(v[-2]), float(v[-1]), 0.0)
+        return _Solved(theory.TimeModel.from_vector(v[:-3]), float(v[-3]), float(v[-2]), 0.0, float(v[-1]))
 
     def residuals(x):
         fitted = solved(full_vector(x))
@@ -231,7 +235,7 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
             m.reject_time(rb) / ry - 1,
         ])
 
-    x0 = np.append(_initial(bounds, inputs), [0.0, 0.0])
+    x0 = np.append(_initial(bounds, inputs), [0.0, 0.0, 0.0])
     lam_i, s_i = names.index("lam"), names.index("s")
     lam_lo, lam_hi = bounds["lam"]
     # Multi-start over the two shape parameters: G's knee makes the cost non-convex.
