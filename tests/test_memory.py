@@ -219,6 +219,19 @@ def test_dry_run_usage_errors():
     assert result.exit_code == 2 and "--memory" in result.stderr
 
 
+def test_the_sd_estimate_counts_the_audits_fresh_caches_beside_the_decodes():
+    """After the pairs, the audit prefills fresh caches of the prompt and feeds them the emitted
+    tokens while the decode's caches are still held: with many tokens that phase is the peak.
+    Self-draft on plain KV caches: the decode's caches and the reference, both at the decode's
+    slots, twice the decode phase's caches."""
+    target = models.build(models.resolve("tiny-moe"))
+    need = memory.spec_estimate(target, None, batch=2, gamma=2, context=16, new_tokens=256, chunk=512,
+                                mlx_lm_batch1=False)
+    _, slots = memory.kv_slots(memory.prefill_forwards(16, 512) + [256 + 2])
+    assert need["phase"] == "audit"
+    assert need["parts"]["kv"] == 2 * 2 * memory.cache_shape(target).per_slot * slots
+
+
 def test_spec_slices_target_and_drafter_alike_or_refuses():
     from mac_moesd.measure import spec
 

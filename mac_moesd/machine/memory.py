@@ -408,7 +408,8 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     """Peak of measured SD at one batch: target and drafter weights, both prefilled caches grown
     to context + new_tokens + gamma (the furthest a round reaches before its trim), the verify
     forward of gamma + 1 tokens, both logits and rejection sampling, and the recurrent states a
-    rollback keeps (``CacheShape.snapshot_bytes``, per position). ``draft`` None: self-draft,
+    rollback keeps (``CacheShape.snapshot_bytes``, per position), and the audit's fresh caches
+    beside the decode's. ``draft`` None: self-draft,
     prompt lookup, or with ``mtp_head`` an MTP head (one of the target's layers, its share of the
     weights, a 2d x d projection, and one attention layer's cache). With ``mlx_lm_batch1``,
     mlx-lm's own generate loops hold a second pair of batch-1 caches."""
@@ -444,5 +445,16 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
         **weights, "kv": batch * kv_decode + kv_batch1, "snapshots": batch * snapshots,
         "activations": activation_bytes(target.config, db, batch, gamma + 1, context + new_tokens + gamma),
         "logits": logits_bytes(target.config, batch, 2 * gamma + 1) + rejection_bytes(vocab, batch, gamma),
+    }
+    # The audit (untimed, after the pairs; ``measure.rollback_audit``): the decode's caches stay
+    # while one model at a time gets fresh caches of the prompt (with their prefill's snapshot
+    # where they do not trim) and is fed the emitted tokens in prefill chunks.
+    fed = min(new_tokens + 1, chunk)
+    audited = shapes[:1] if draft is None else shapes[:2]  # an MTP head is not replayed
+    reference = max(s.bytes(decode_peak, fed) + (0 if s.plain_kv else s.bytes(prefill_peak, first)) for s in audited)
+    named["audit"] = {
+        **weights, "kv": batch * (kv_decode + reference) + kv_batch1, "snapshots": batch * snapshots,
+        "activations": activation_bytes(target.config, db, batch, fed, context + new_tokens),
+        "logits": logits_bytes(target.config, batch, fed),
     }
     return phases(**named)
