@@ -48,7 +48,7 @@ def test_paired_stops_when_its_budget_is_spent(monkeypatch):
     # reads 4 times (two timed runs) and then checks, so after n pairs the check reads 1 + 5n,
     # which first reaches 60 at n = 12.
     precision = spec.Precision(2, 0.03, 60.0)
-    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups: 1.0)
+    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups, ci=None: 1.0)
     plain_times, spec_times, *_ = _fake_runs(monkeypatch, precision)
     assert len(plain_times) == len(spec_times) == 12
     assert plain_times == spec_times == [1.0] * 12

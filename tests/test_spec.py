@@ -159,7 +159,7 @@ def test_mlx_lm_leaves_a_forward_queued_and_each_timed_run_waits_for_it_first(mo
         "wait generation" if stream is generation_stream else "wait default"))
     from mac_moesd.measure.spec_loop import Decoded
 
-    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups: 0.0)  # two pairs, however timed
+    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups, ci=None: 0.0)  # two pairs, however timed
     spec.paired(lambda: events.append("plain") or Decoded(1), lambda: events.append("sd") or Decoded(1),
                 lambda i: events.append(f"prepare {i}"), spec.Precision(2, 0.5, 60.0))
     ready = lambda i: [f"prepare {i}", "wait generation", "wait default"]  # noqa: E731

@@ -189,23 +189,24 @@ class Precision:
     def of(cls, cfg: SpecConfig) -> Precision:
         return cls(cfg.repeats, cfg.precision, cfg.budget_s, cfg.stop_when_decided)
 
-    def half_width(self, speedups: list[float]) -> float:
-        low, high = timing.bootstrap_median_ci(speedups)
+    def half_width(self, speedups: list[float], ci: tuple[float, float] | None = None) -> float:
+        low, high = ci or timing.bootstrap_median_ci(speedups)
         return (high - low) / 2 / statistics.median(speedups)
 
-    def decided(self, speedups: list[float]) -> bool:
+    def decided(self, speedups: list[float], ci: tuple[float, float] | None = None) -> bool:
         """Whether the CI says SD pays off (above 1 + target) or does not (below 1 - target)."""
-        low, high = timing.bootstrap_median_ci(speedups)
+        low, high = ci or timing.bootstrap_median_ci(speedups)
         return low > 1 + self.target or high < 1 - self.target
 
     def stop_reason(self, speedups: list[float], elapsed_s: float) -> str | None:
         """Why the pairs so far are enough ("precision", "decided" or "budget"), or None while
-        they are not."""
+        they are not (one bootstrap a decision)."""
         if len(speedups) < self.min_pairs:
             return None
-        if self.half_width(speedups) <= self.target:
+        ci = timing.bootstrap_median_ci(speedups)
+        if self.half_width(speedups, ci) <= self.target:
             return "precision"
-        if self.stop_when_decided and self.decided(speedups):
+        if self.stop_when_decided and self.decided(speedups, ci):
             return "decided"
         return "budget" if elapsed_s >= self.budget_s else None
 
