@@ -105,3 +105,15 @@ def test_a_hybrid_sweep_that_does_not_fit_is_sliced_to_whole_periods():
     # where 8 layers fit and 20 do not: 4 and 8 (halving 40 layer by layer gave 2, which has no
     # full-attention layer and was refused)
     assert sweep.plan_layers(source, cfg, eight) == [4, 8]
+
+
+def test_the_largest_slice_that_fits_halves_in_whole_units():
+    tried = []
+
+    def fits(n):
+        tried.append(n)
+        return n <= 10
+
+    assert zoo.largest_slice(48, 4, fits) == 8 and tried == [48, 24, 12, 8]
+    assert zoo.largest_slice(48, 4, lambda n: True) == 48
+    assert zoo.largest_slice(48, 4, lambda n: False) == 4  # the smallest slice: the caller refuses

@@ -12,10 +12,11 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from mac_moesd.errors import MacMoesdError
 
-__all__ = ["ZOO", "ZooEntry", "by_name", "expert_shape", "miniature", "normalise", "slice_config"]
+__all__ = ["ZOO", "ZooEntry", "by_name", "expert_shape", "largest_slice", "miniature", "normalise", "slice_config"]
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
@@ -101,6 +102,14 @@ def smaller_slice(layers: int, unit: int) -> int | None:
     if layers <= unit:
         return None
     return max(unit, layers // 2 // unit * unit)
+
+
+def largest_slice(layers: int, unit: int, fits: Callable[[int], bool]) -> int:
+    """The first of ``layers`` and its ever smaller slices (``smaller_slice``) that ``fits``, or
+    the smallest one when none does (the caller then refuses with its need)."""
+    while not fits(layers) and (smaller := smaller_slice(layers, unit)) is not None:
+        layers = smaller
+    return layers
 
 
 def expert_shape(config: dict) -> tuple[int, int] | None:

@@ -11,6 +11,7 @@ whose call is no longer mlx-lm 0.32's ``(x, indices)`` is refused before any swa
 
 from __future__ import annotations
 
+import functools
 import contextlib
 import random
 import sys
@@ -368,11 +369,12 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.Routi
 
         text, where = None, prompts_label(cfg.prompts)
         sequences = len(load_prompts(cfg.prompts).prompts)  # every prompt long enough is routed
-    built = models.build(source, bits=cfg.bits, layers=cfg.layers, seed=cfg.seed)
-    unit = zoo.slice_unit(source.config)
-    while (cfg.layers is None and not _fits(built, sequences, cfg.length, available_bytes)
-           and (smaller := zoo.smaller_slice(built.layers, unit)) is not None):
-        built = models.build(source, bits=cfg.bits, layers=smaller, seed=cfg.seed)
+    build = functools.lru_cache(maxsize=None)(
+        lambda layers: models.build(source, bits=cfg.bits, layers=layers, seed=cfg.seed))
+    layers = cfg.layers or zoo.largest_slice(
+        int(source.config["num_hidden_layers"]), zoo.slice_unit(source.config),
+        lambda n: _fits(build(n), sequences, cfg.length, available_bytes))
+    built = build(layers)
     need = memory.routing_estimate(built, sequences, cfg.length)
     if not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(

@@ -28,6 +28,7 @@ rules at temperature > 0.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -435,24 +436,27 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
     full = int(target_src.config["num_hidden_layers"])
     draft_full = int(draft_src.config["num_hidden_layers"]) if draft_src else 0
     unit = zoo.slice_unit(target_src.config)
-    layers = full
-    while True:
+
+    @functools.lru_cache(maxsize=None)
+    def at(layers: int):
         target = models.build(target_src, dtype, cfg.bits, layers, seed=cfg.seed)
         draft = None
         if draft_src is not None:
             draft_layers = max(1, round(draft_full * layers / full))
             draft = models.build(draft_src, dtype, cfg.bits, draft_layers, seed=cfg.seed + 1)
-        need = estimate(cfg, target, draft, context)
-        if available_bytes is None or need["peak_bytes"] <= available_bytes:
-            return target, draft, need
-        smaller = zoo.smaller_slice(layers, unit)
-        if smaller is None:
-            raise MacMoesdError(
-                f"SD of {target_src.name} needs about {human_bytes(need['peak_bytes'])} even with "
-                f"{'one layer' if layers == 1 else f'{layers} layers (its smallest slice)'}; "
-                f"{human_bytes(available_bytes)} is usable here: try --bits 4, a "
-                "smaller --batch or --context, or a larger --memory-limit")
-        layers = smaller
+        return target, draft, estimate(cfg, target, draft, context)
+
+    def fits(layers: int) -> bool:
+        return available_bytes is None or at(layers)[2]["peak_bytes"] <= available_bytes
+
+    layers = zoo.largest_slice(full, unit, fits)
+    if not fits(layers):
+        raise MacMoesdError(
+            f"SD of {target_src.name} needs about {human_bytes(at(layers)[2]['peak_bytes'])} even with "
+            f"{'one layer' if layers == 1 else f'{layers} layers (its smallest slice)'}; "
+            f"{human_bytes(available_bytes)} is usable here: try --bits 4, a "
+            "smaller --batch or --context, or a larger --memory-limit")
+    return at(layers)
 
 
 def acceptance_fields(per_round: list[int], gamma: int, proposed: list[int] | None = None) -> dict:

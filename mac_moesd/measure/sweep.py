@@ -128,11 +128,8 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
         plan = [full] if 2 * cfg.layers > full else [cfg.layers, 2 * cfg.layers]
     elif fits(full) or 2 * unit > full:
         plan = [full]
-    else:
-        n = zoo.smaller_slice(full, unit)
-        while n is not None and not fits(2 * n):
-            n = zoo.smaller_slice(n, unit)
-        n = n or unit
+    else:  # the largest slice N below full whose 2N fits
+        n = zoo.largest_slice(zoo.smaller_slice(full, unit), unit, lambda n: fits(2 * n))
         plan = [n, 2 * n]
     if not fits(plan[-1]):
         need = estimate_bytes(build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)

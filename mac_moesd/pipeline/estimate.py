@@ -12,6 +12,7 @@ and prefills, model builds and SD runs are counted the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -207,11 +208,10 @@ def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str,
     cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits,
                                 **({"length": length} if length else {}))
     sequences = len(load_prompts(prompts).prompts) if prompts else 2 * max(cfg.batches)
-    built = models.build(source, dtype, plan.bits)
-    unit = zoo.slice_unit(source.config)
-    while (memory.routing_estimate(built, sequences, cfg.length)["peak_bytes"] > usable
-           and (smaller := zoo.smaller_slice(built.layers, unit)) is not None):
-        built = models.build(source, dtype, plan.bits, smaller)
+    build = functools.lru_cache(maxsize=None)(lambda layers: models.build(source, dtype, plan.bits, layers))
+    built = build(zoo.largest_slice(
+        int(source.config["num_hidden_layers"]), zoo.slice_unit(source.config),
+        lambda n: memory.routing_estimate(build(n), sequences, cfg.length)["peak_bytes"] <= usable))
     need = memory.routing_estimate(built, sequences, cfg.length)
     seconds = materialise_seconds(built, rates) + forward_seconds(built, rates, sequences, cfg.length, cfg.length)
     return {"stage": label, "models": [name], "layers": [built.layers],
