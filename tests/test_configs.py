@@ -114,6 +114,8 @@ def test_the_largest_slice_that_fits_halves_in_whole_units():
         tried.append(n)
         return n <= 10
 
-    assert zoo.largest_slice(48, 4, fits) == 8 and tried == [48, 24, 12, 8]
+    # 48 -> 24 -> 12 -> 4: half of 12 is 6, which is not whole units of 4, so 4.
+    assert zoo.largest_slice(48, 4, fits) == 4 and tried == [48, 24, 12, 4]
+    assert zoo.largest_slice(48, 4, lambda n: n <= 30) == 24
     assert zoo.largest_slice(48, 4, lambda n: True) == 48
     assert zoo.largest_slice(48, 4, lambda n: False) == 4  # the smallest slice: the caller refuses
