@@ -53,6 +53,8 @@ def test_a_run_killed_at_any_moment_resumes_to_the_whole_report(tmp_path):
     assert proc.returncode == 0, f"after {kills} kills"
     assert kills >= 3  # the kills were spread over the run's stages
     data = load_results(path)
-    assert measured(data) > held and data.get("skipped", {}) == {}
+    # The last kill may land after the last save (while the report is written): then the resume
+    # measures nothing new, and only writes the report.
+    assert measured(data) >= held and data.get("skipped", {}) == {}
     assert set(data) >= {"roofline", "sweeps", "routing", "fits", "spec"}
     assert (path.parent / "report.md").exists() and (path.parent / "report.html").exists()
