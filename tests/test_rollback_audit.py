@@ -150,6 +150,7 @@ FAMILY_WAYS = {"granitemoehybrid": "per-position", "kimi_linear": "per-position"
                "olmo_hybrid": "per-position", "jamba": "re-forward", "bailing_hybrid": "re-forward"}
 
 
+@pytest.mark.slow  # two models built and decoded per family
 @pytest.mark.parametrize("family", sorted(FAMILY_WAYS))
 def test_the_other_hybrid_families_roll_back_correctly(family, config_dir):
     config = json.loads((FAMILIES / f"{family}.json").read_text())
