@@ -46,11 +46,12 @@ _patched: dict[tuple[str, str], tuple[object, Callable]] = {}  # (module, name) 
 _conv_call: list[Callable] = []  # nn.Conv1d.__call__ while patched
 
 
-def unsupported(model, recurrent_leaves: list) -> str | None:
+def unsupported(model, recurrent_leaves: list, sites: list) -> str | None:
     """Why the recurrent leaves of ``model`` cannot be taken back per position or by replay (None:
-    they can): the model's layers call no recurrence function mlx-lm shares, or a leaf is not a
-    prefilled cache of convolution states before one state."""
-    if not mlxlm_compat.recurrence_sites(model):
+    they can): its layers call no recurrence function mlx-lm shares (``sites``, from
+    ``mlxlm_compat.recurrence_sites``), or a leaf is not a prefilled cache of convolution states
+    before one state."""
+    if not sites:
         return (f"its recurrent layers ({type(model).__module__.rsplit('.', 1)[-1]}) call neither of mlx-lm's "
                 f"{' nor '.join(mlxlm_compat.RECURRENCES)}, whose states this suite can keep per position")
     for leaf in recurrent_leaves:
@@ -78,8 +79,8 @@ class StateLog:
     state during the forwards (else replay at ``select``). ``keep=False``: only compute the
     per-position states, keeping nothing (a timed forward)."""
 
-    def __init__(self, model, leaves: list, per_position: bool, keep: bool = True):
-        self.sites = mlxlm_compat.recurrence_sites(model)
+    def __init__(self, sites: list, leaves: list, per_position: bool, keep: bool = True):
+        self.sites = sites  # mlxlm_compat.recurrence_sites of the model
         self.leaves, self.per_position, self.keep = leaves, per_position, keep
         self.calls: list[list[_Call]] = [[] for _ in leaves]
         self.start: list[list] = []
@@ -203,7 +204,7 @@ def _uninstall() -> None:
 def per_position_forwards(model, caches_leaves: list) -> Iterator[None]:
     """Forwards of ``model`` inside keep every position's recurrent state, as a per-position
     rollback's verify does, keeping none of them (for timing that verify)."""
-    log = StateLog(model, caches_leaves, per_position=True, keep=False)
+    log = StateLog(mlxlm_compat.recurrence_sites(model), caches_leaves, per_position=True, keep=False)
     log.open()
     try:
         yield

@@ -36,6 +36,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mac_moesd import mlxlm_compat
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 from mac_moesd.measure import recurrent_states
@@ -115,12 +116,13 @@ class Rollback:
         recurrent = [leaf for leaf, kind in zip(self.leaves, self.kinds) if kind == "recurrent"]
         if not recurrent or strategy == "re-forward":
             return None
-        reason = recurrent_states.unsupported(model, recurrent)
+        sites = mlxlm_compat.recurrence_sites(model)
+        reason = recurrent_states.unsupported(model, recurrent, sites)
         if reason is not None:
             if strategy != "auto":
                 raise BadInput(f"--rollback {strategy} cannot take this model's recurrent state back: {reason}")
             return None
-        return recurrent_states.StateLog(model, recurrent, per_position=strategy != "replay")
+        return recurrent_states.StateLog(sites, recurrent, per_position=strategy != "replay")
 
     @property
     def recurrent_way(self) -> str | None:

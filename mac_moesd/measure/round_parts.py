@@ -64,6 +64,7 @@ class RoundParts:
     mode: str = "real"  # the loop's acceptance (spec_loop.accept)
     mlx_lm: bool = False  # batch 1 under mlx-lm's own speculative decoding
     samples: dict[str, list[float]] = field(default_factory=dict)
+    _verify_keeps_states: bool | None = field(default=None, init=False, repr=False)  # decided at the first sample
 
     def time(self, target, draft, target_cache: RolledBackCache, draft_cache: RolledBackCache | None,
              rng: random.Random, emit: Callable[[mx.array], mx.array] | None = None) -> None:
@@ -86,7 +87,9 @@ class RoundParts:
             points["bookkeeping"] = (mlx_lm_bookkeeping(self.gamma, self.vocab) if self.mlx_lm else
                                      bookkeeping_point(self.batch, self.gamma, self.vocab, self.mode, emit))
         timers = {name: (lambda point=point: timing.finite_time(point)) for name, point in points.items()}
-        if Rollback(target, target_cache.cache, self.rollback).recurrent_way == "per-position":
+        if self._verify_keeps_states is None:
+            self._verify_keeps_states = Rollback(target, target_cache.cache, self.rollback).recurrent_way == "per-position"
+        if self._verify_keeps_states:
             for name in [n for n in points if n == "verify" or n.startswith("verify_")]:
                 timers[name] = _keeping_every_state(target, target_cache, timers[name])
         timers["rollback"] = rollback_timer(target, draft, target_cache, draft_cache, self.batch, self.gamma,
