@@ -251,7 +251,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
     results are written, marked invalid).
     """
     from mac_moesd.measure.prompt_lookup import LookupRule
-    from mac_moesd.results.schema import PROMPT_LOOKUP
+    from mac_moesd.results.keys import PROMPT_LOOKUP
     from mac_moesd.measure.spec import SpecConfig
     from mac_moesd.pipeline import commands
 
@@ -311,11 +311,11 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
     from mac_moesd.measure.serving_stage import ServingConfig
     from mac_moesd.pipeline import commands
     from mac_moesd.reporting.serving_section import render_serving
-    from mac_moesd.results import schema
+    from mac_moesd.results import keys
 
     if draft and not target:
         raise click.UsageError("--draft goes with TARGET")
-    if draft in schema.DRAFTER_KINDS:
+    if draft in keys.DRAFTER_KINDS:
         raise click.UsageError(f"--draft {draft}: mlx_lm.server drafts with a model only (measure {draft} "
                                "with `mac-moesd spec` or `run --draft`, or a server that has it with --url)")
     if served_model and not urls:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mac_moesd.results import SCHEMA, ResultsStore, load_results, parse_point_key, point_key, schema
+from mac_moesd.results import SCHEMA, ResultsStore, load_results, schema
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).parent.parent
@@ -16,12 +16,6 @@ REPO = Path(__file__).parent.parent
 # (pipelined points, second context, variants); and the example report's, recorded with /2.
 OLDER = [DATA / "results_quick_cpu_early.json", DATA / "results_quick_cpu.json"]
 RECORDED = OLDER + [REPO / "reports" / "example-linux-cpu-amd-epyc" / "results.json"]
-
-
-def test_point_key_round_trip():
-    assert point_key(4, 3) == "4x3"
-    assert parse_point_key("4x3") == (4, 3)
-    assert parse_point_key(point_key(128, 1)) == (128, 1)
 
 
 @pytest.mark.parametrize("path", OLDER, ids=lambda p: p.name)

@@ -31,7 +31,7 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.results import schema
+from mac_moesd.results import keys, schema
 from mac_moesd.measure import routing_trace
 from mac_moesd.measure.gather import check_sortable, sorted_switch_call
 
@@ -322,11 +322,6 @@ def load_text(spec: str | None) -> tuple[str | None, str]:
     return read_text(Path(spec)), str(spec)
 
 
-def prompts_label(spec: str) -> str:
-    """How a routing document names a prompt set as its token source (its results key too)."""
-    return f"prompt set {spec}"
-
-
 def prompt_rows(spec: str, tokenizer, vocab: int, length: int) -> tuple[list[list[int]], str]:
     """One sequence per prompt of the set: its first ``length`` tokens, and how ids were made.
 
@@ -367,7 +362,7 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.Routi
     else:
         from mac_moesd.inputs.prompts import load_prompts
 
-        text, where = None, prompts_label(cfg.prompts)
+        text, where = None, keys.prompt_set_text(cfg.prompts)
         sequences = len(load_prompts(cfg.prompts).prompts)  # every prompt long enough is routed
     build = functools.lru_cache(maxsize=None)(
         lambda layers: models.build(source, bits=cfg.bits, layers=layers, seed=cfg.seed))

@@ -20,7 +20,7 @@ from mac_moesd.analysis import serving_prediction as prediction
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
 from mac_moesd.measure import sd_counters, server_process, serving
-from mac_moesd.results import ResultsStore, load_results, schema
+from mac_moesd.results import ResultsStore, keys, load_results, schema
 
 __all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "run_serving", "validate"]
 
@@ -125,7 +125,7 @@ def shared_prefix_text(tokens: int, target_folder: Path | None) -> tuple[str, st
 
 
 def _key(cfg: ServingConfig, target: str | None, draft: str | None) -> str:
-    return "url:" + ",".join(n for n, _ in cfg.urls) if cfg.urls else schema.pair_key(target, draft)
+    return keys.serving_key([n for n, _ in cfg.urls], target, draft)
 
 
 def _fit_source(cfg: ServingConfig, data: dict) -> tuple[dict, str]:
@@ -158,7 +158,7 @@ def predictions(doc: dict, data: dict, source: str) -> tuple[list[dict], str | N
                 doc["gamma"])
             where = "the server's draft counters"
         if alpha is None:
-            key = schema.spec_key(target, draft, "real", prompts)
+            key = keys.spec_key(target, draft, "real", prompts)
             alpha = prediction.acceptance_from_spec(data.get("spec", {}).get(key))
             where = (f"the suite's acceptance pass ({key}, temperature 0, in {source})" if alpha is not None else
                      f"no acceptance pass of {target} with {draft} on {prompts} in {source}: run `mac-moesd spec "

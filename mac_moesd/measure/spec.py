@@ -44,7 +44,7 @@ from mlx_lm.sample_utils import make_sampler
 from mac_moesd.analysis import acceptance, theory
 from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, measured_acceptance, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.results import schema
+from mac_moesd.results import keys, schema
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.inputs import zoo
 from mac_moesd.machine import memory
@@ -101,13 +101,13 @@ class SpecConfig:
         """``model`` (a draft model), ``self`` (self-draft), ``prompt-lookup`` or ``mtp-head``."""
         if self.mode == "self-draft":
             return "self"
-        return schema.drafter_kind(self.draft)
+        return keys.drafter_kind(self.draft)
 
     def __post_init__(self):
-        if self.draft == schema.PROMPT_LOOKUP and self.mode != "real":
+        if self.draft == keys.PROMPT_LOOKUP and self.mode != "real":
             raise BadInput("--draft prompt-lookup proposes real tokens from the context: it runs with "
                            "--mode real only")
-        if self.draft == schema.MTP_HEAD and self.mode != "emulated-acceptance":
+        if self.draft == keys.MTP_HEAD and self.mode != "emulated-acceptance":
             raise BadInput("--draft mtp-head is an emulated MTP head at the target's dimensions, whose "
                            "drafts mean nothing: it runs with --mode emulated-acceptance (--alpha) only")
         if self.mode not in MODES:
@@ -776,7 +776,7 @@ def prepare_models(cfg: SpecConfig, available_bytes: int | None):
             "emulated-acceptance, --bits 4, a smaller --batch, or a larger --memory-limit")
     memory.start_stage()
     target.materialise()
-    if cfg.drafter_kind in schema.DRAFTER_KINDS:  # no drafter model (the head is built on the target)
+    if cfg.drafter_kind in keys.DRAFTER_KINDS:  # no drafter model (the head is built on the target)
         return target, None, inputs, need, target.config["vocab_size"]
     if cfg.mode == "self-draft":
         draft = target

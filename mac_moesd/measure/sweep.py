@@ -37,7 +37,7 @@ from mac_moesd.measure.rolled_cache import PREFILL_CHUNK, RolledBackCache, batch
 from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, parse_point_key, point_key, schema
+from mac_moesd.results import ResultsStore, keys, parse_point_key, point_key, schema
 from mac_moesd.measure.sampling import random_ids, rejection_sample
 from mac_moesd.measure.bookkeeping import bookkeeping_point
 from mac_moesd.measure.spec_loop import sample
@@ -231,13 +231,8 @@ def entry_header(built: models.Built, context: int, routing_label: str = "model"
 def entry_key(built: models.Built, context: int, routing_key: str = "model", gather: str = "mlx-lm") -> str:
     """Sweeps under a forced routing or gather get keys of their own (the defaults keep the
     keys of earlier files, which resume as before)."""
-    bits = f"q{built.bits}" if built.bits else built.dtype
-    key = f"{built.source.name}|{bits}|L{context}|layers{built.layers}"
-    if routing_key != "model":
-        key += f"|routing={routing_key}"
-    if gather != "mlx-lm":
-        key += f"|gather={gather}"
-    return key
+    weight_format = f"q{built.bits}" if built.bits else built.dtype
+    return keys.sweep_key(built.source.name, weight_format, context, built.layers, routing_key, gather)
 
 
 def measure_grid(
@@ -494,8 +489,7 @@ def measure_reject(cfg, source, store, progress, rng, available_bytes: int | Non
     it, the SD loop's own work a round at the same shapes (``bookkeeping``: an empty round),
     recorded as ``bookkeeping_points`` for the fit's per-round term."""
     vocab = source.config["vocab_size"]
-    key = f"V{vocab}|gamma{cfg.gamma}"
-    entry = store.entry("reject", key, {"vocab": vocab, "gamma": cfg.gamma})
+    entry = store.entry("reject", keys.reject_key(vocab, cfg.gamma), {"vocab": vocab, "gamma": cfg.gamma})
     kept = entry.setdefault("bookkeeping_points", {})
     todo = [b for b in cfg.batches if point_key(b, cfg.gamma + 1) not in entry["points"]]
     for b in set(cfg.batches) - set(todo):

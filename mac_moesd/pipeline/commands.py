@@ -16,7 +16,7 @@ from mac_moesd.measure import roofline, routing, selftest, spec, sweep, timing
 from mac_moesd.pipeline import estimate, pair_stages, plans, stages
 from mac_moesd.pipeline.runner import Outcome
 from mac_moesd.progress import Progress
-from mac_moesd.results import (ResultsBusy, ResultsStore, WriterLock, load_results, spec_key, validate,
+from mac_moesd.results import (ResultsBusy, ResultsStore, WriterLock, keys, load_results, spec_key, validate,
                                write_atomic)
 
 __all__ = ["RunOptions", "RunResult", "budget_from", "check_machine", "cluster_sweep", "compare", "dry_run",
@@ -130,7 +130,7 @@ def run_routing(cfg: routing.RoutingConfig, memory_limit: float | None, out: Pat
     machine, meta, store = open_store(out, warn)
     with hardware.measuring_stage():
         document = routing.run_routing(cfg, usable.usable_bytes)
-    store.put("routing", f"{document['model']}|{document['text']}", document)
+    store.put("routing", keys.routing_key(document["model"], document["text"]), document)
     return _stored(document, meta, store)
 
 

@@ -31,7 +31,7 @@ from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.pipeline.stages import roofline_stage, sweep_config
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, pair_key, pair_spec_key
+from mac_moesd.results import ResultsStore, keys, pair_key, pair_spec_key
 
 __all__ = ["as_swept", "pair_stages", "run_pair", "sweep_routing"]
 
@@ -64,7 +64,7 @@ def prompts_trace(store: ResultsStore, plan: PairPlan) -> tuple[Path, list[str]]
     its indices change (a rerun finds the same file, so the same digest and the same results
     entry; a set routed since then makes a new one, measured as a new entry)."""
     routed = store.data.get("routing", {})
-    docs = {p: routed.get(f"{plan.target}|{routing.prompts_label(p)}") or {} for p in plan.prompt_sets}
+    docs = {p: routed.get(keys.routing_key(plan.target, keys.prompt_set_text(p))) or {} for p in plan.prompt_sets}
     saved = {p: Path(d["trace"]) for p, d in docs.items() if d.get("trace") and Path(d["trace"]).exists()}
     if len(saved) < 2:
         return next(((path, [p]) for p, path in saved.items()), None)
@@ -141,7 +141,7 @@ def record_pair(store: ResultsStore, plan: PairPlan) -> None:
 
 def _routing(plan: PairPlan, prompt_set: str) -> Stage:
     """Routing of the target on one prompt set, its trace saved beside the results."""
-    key = f"{plan.target}|{routing.prompts_label(prompt_set)}"
+    key = keys.routing_key(plan.target, keys.prompt_set_text(prompt_set))
     label = f"routing {plan.target} on {prompt_set}"
 
     def work(ctx: Context) -> None:
@@ -180,7 +180,7 @@ def fit_target(plan: PairPlan, store: ResultsStore) -> None:
 
 def _spec(plan: PairPlan, prompt_set: str) -> Stage:
     """SD on one prompt set, beside the fit's predictions: with the drafter's own tokens, or an
-    MTP head's with acceptance imposed (``schema.PAIR_MODES``)."""
+    MTP head's with acceptance imposed (``keys.PAIR_MODES``)."""
     kind = plan.drafter_kind
     key = pair_spec_key(plan.target, plan.draft, kind, prompt_set)
 

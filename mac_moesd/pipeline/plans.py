@@ -11,7 +11,7 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.measure import roofline, spec, timing
-from mac_moesd.results.schema import DRAFTER_KINDS, PAIR_MODES, drafter_kind
+from mac_moesd.results.keys import DRAFTER_KINDS, PAIR_MODES, drafter_kind
 from mac_moesd.units import human_bytes
 
 __all__ = ["PROMPT_SETS", "PairPlan", "Plan", "default_plan", "find_default_pair", "pair_plan", "pair_plans",
@@ -122,7 +122,7 @@ class PairPlan:
 
     def spec_config(self, prompt_set: str) -> spec.SpecConfig:
         """The SD stage of this drafter on one prompt set: with its own drafts at the pair's
-        temperatures, or an MTP head's with ``alpha`` imposed (``schema.PAIR_MODES``)."""
+        temperatures, or an MTP head's with ``alpha`` imposed (``keys.PAIR_MODES``)."""
         base, mode = self.base, PAIR_MODES.get(self.drafter_kind, "real")
         return spec.SpecConfig(target=self.target_arg, draft=self.draft_arg, batches=base.spec_batches,
                                gammas=base.spec_gammas, mode=mode, context=base.context,

@@ -18,7 +18,7 @@ from mac_moesd.pipeline import estimate
 from mac_moesd.pipeline.plans import Plan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, spec_key
+from mac_moesd.results import ResultsStore, keys, spec_key
 
 __all__ = ["default_stages", "roofline_stage", "run_all", "sweep_config"]
 
@@ -56,10 +56,10 @@ def _routing(plan: Plan, name: str) -> Stage:
     def work(ctx: Context) -> None:
         cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
         document = routing.run_routing(cfg, ctx.usable_bytes)
-        ctx.store.put("routing", f"{document['model']}|{document['text']}", document)
+        ctx.store.put("routing", keys.routing_key(document["model"], document["text"]), document)
 
     label = f"routing {name}"
-    return Stage(label, work, done=lambda data: any(k.startswith(f"{name}|") for k in data.get("routing", {})),
+    return Stage(label, work, done=lambda data: any(keys.routing_key_model(k) == name for k in data.get("routing", {})),
                  estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label), models=(name,))
 
 

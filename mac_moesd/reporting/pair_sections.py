@@ -9,10 +9,10 @@ from pathlib import Path
 from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import spec_runs, theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
-from mac_moesd.measure.routing import prompts_label
 from mac_moesd.reporting.formatting import (ROUND_HEADER, by_position, invalid_lines, measured_speedup,
                                              plain_vs_sweep, precision_note, predicted_cells, rollback_cell,
                                              round_cell)
+from mac_moesd.results import keys
 from mac_moesd.units import human_bytes
 
 __all__ = ["first_lines", "pair_blocks"]
@@ -119,7 +119,7 @@ def _prompt_sets(d: Digest, p: dict) -> list[str]:
 
 def _routing(d: Digest, p: dict) -> list:
     docs = {s: r for s in p["prompt_sets"] for r in d.routing
-            if r["model"] == p["target"] and r["text"] == prompts_label(s)}
+            if r["model"] == p["target"] and r["text"] == keys.prompt_set_text(s)}
     if not docs:
         return []
     rows = []

@@ -1,7 +1,7 @@
-"""The results file: its documents (``schema``) and the file on disk (``store``)."""
+"""The results file: its keys (``keys``), its documents (``schema``) and the file on disk (``store``)."""
 
-from mac_moesd.results.schema import (READS, SCHEMA, pair_key, pair_spec_key, parse_point_key, point_key, spec_key,
-                                      upgrade)
+from mac_moesd.results.keys import pair_key, pair_spec_key, parse_point_key, point_key, spec_key
+from mac_moesd.results.schema import READS, SCHEMA, upgrade
 from mac_moesd.results.store import (ResultsBusy, ResultsStore, WriterLock, ensure_writable, incompatibility,
                                      load_results, write_atomic)
 

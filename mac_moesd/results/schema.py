@@ -1,4 +1,4 @@
-"""The documents of a results file: the schema version and its history, the point key, and one
+"""The documents of a results file: the schema version and its history, and one
 typed record per document, naming every key as the writers write it (docs/design.md §7 says what
 each one means, in which units).
 
@@ -28,8 +28,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 __all__ = [
-    "DRAFTER_KINDS", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "READS", "SCHEMA", "drafter_kind", "pair_key",
-    "pair_spec_key", "parse_point_key", "point_key", "spec_key", "upgrade",
+    "READS", "SCHEMA", "upgrade",
     "Meta", "Measurement", "Memory", "Footprint", "ThermalPressure",
     "Roofline", "SweepEntry", "RejectEntry", "RoutingDocument", "FitDocument", "SpecDocument", "SpecRun",
     "AcceptanceEntry", "PairRecord", "PairSearch", "ServingDocument", "ServingLeg", "ClusterShape",
@@ -45,50 +44,6 @@ def upgrade(data: dict) -> dict:
     version differs from today's only by keys it lacks, which stay missing."""
     data["schema"] = SCHEMA
     return data
-
-
-def point_key(batch: int, tokens: int) -> str:
-    """The key of a timed point: ``"<batch>x<tokens>"`` (B sequences of t new tokens each)."""
-    return f"{batch}x{tokens}"
-
-
-def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) -> str:
-    """The key of a spec document: ``"<target>|<draft>|<mode>[|<prompt set>]"``, the models by
-    their resolved names (a folder's name, not the path given), so that every command that
-    measures or reads a pair's SD (spec, run, serving, the report) finds the same document."""
-    return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
-
-
-# The drafters --draft names without a model (their names in results keys); any other name is a
-# drafter model, kind "model".
-PROMPT_LOOKUP, MTP_HEAD = "prompt-lookup", "mtp-head"
-DRAFTER_KINDS = (PROMPT_LOOKUP, MTP_HEAD)
-
-
-def drafter_kind(draft: str) -> str:
-    """The kind of drafter a --draft name is: ``prompt-lookup``, ``mtp-head`` or ``model``."""
-    return draft if draft in DRAFTER_KINDS else "model"
-
-
-# The mode a pair run measures each kind of drafter in: an MTP head with acceptance imposed
-# (it is emulated), every other kind with its own drafts.
-PAIR_MODES = {MTP_HEAD: "emulated-acceptance"}
-
-
-def pair_key(target: str, draft: str) -> str:
-    """The key of a ``pairs`` record (and of a launched serving document): ``"<target>|<draft>"``."""
-    return f"{target}|{draft}"
-
-
-def pair_spec_key(target: str, draft: str, drafter_kind: str, prompt_set: str) -> str:
-    """The ``spec_key`` of a pair run's SD on one prompt set, in the mode its drafter kind runs in."""
-    return spec_key(target, draft, PAIR_MODES.get(drafter_kind, "real"), prompt_set)
-
-
-def parse_point_key(key: str) -> tuple[int, int]:
-    """(batch, tokens) of a ``point_key``."""
-    batch, tokens = key.split("x")
-    return int(batch), int(tokens)
 
 
 # ---- records shared by several documents (§7.2, §7.3) ----

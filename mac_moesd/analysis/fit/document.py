@@ -15,7 +15,7 @@ from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, FitInputs
 from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, FitResult, FittedModel, VariantFit, paper_comparison,
                                           peaks, predict, sparsity_sweep, verify_tokens)
 from mac_moesd.analysis.fit.solve import regime
-from mac_moesd.results.schema import DRAFTER_KINDS
+from mac_moesd.results.keys import DRAFTER_KINDS
 from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, run_alpha
 from mac_moesd.results import point_key
 
