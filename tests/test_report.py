@@ -98,21 +98,27 @@ def test_numbers_in_the_text_are_those_of_the_results(written):
             assert f"| {run['batch']} | {run['gamma']} | {run['gamma'] + 1} | {run['alpha']:.2f} | " in md
             low, high = run["speedup_range"]
             # Recorded before the SD stage timed its rounds: no prediction from them, no plain vs sweep.
-            assert (f"| {run['measured_speedup']:.2f} ({low:.2f}-{high:.2f}) | - | - | {pred:.2f} | "
-                    f"{pred / run['measured_speedup'] - 1:+.0%} | - |") in md
+            # The fit's prediction as stored with the run comes first; the hand fit, which is not the
+            # one that priced the run, predicts otherwise, so its figure stands beside it.
+            stored = (run.get("predicted_by") or {}).get("model", run.get("predicted_speedup"))
+            assert (f"| {run['measured_speedup']:.2f} ({low:.2f}-{high:.2f}) | - | - | {stored:.2f} (current fit: "
+                    f"{pred:.2f}) | {stored / run['measured_speedup'] - 1:+.0%} | - |") in md
     assert "not measured to a precision" in md
 
 
 def test_the_verdict_leads_with_the_measurement_and_writes_out_a_disagreement(tmp_path):
     data = by_hand(json.loads(FIXTURE.read_text()))
-    # Judged against what the current fit predicts for each run (as the SD table shows it), at
-    # the acceptance the run realised.
+    for f in data["fits"].values():
+        f["fitted_at"] = "2026-12-01T10:00:00.000000+00:00"
+    # Judged against the fit's prediction stored with each run (as the SD table shows it), made
+    # here by the results' own fit at the acceptance the run realised.
     predicted = {id(r): hand_speedup(1, r["gamma"], r.get("measured_alpha", r["alpha"]))
                  for doc in data["spec"].values() for r in doc["runs"] if r["batch"] == 1}
     runs = [r for doc in data["spec"].values() for r in doc["runs"] if r["batch"] == 1]
     for r in runs:  # measured where predicted, to +-2%, as a run of 12 pairs whose budget ran out
         r.update(measured_speedup=predicted[id(r)], measured_ci=[predicted[id(r)] * 0.98, predicted[id(r)] * 1.02],
-                 pairs=12, precision=0.01, precision_met=False, budget_s=30.0)
+                 pairs=12, precision=0.01, precision_met=False, budget_s=30.0,
+                 predicted_by={"measured": None, "model": predicted[id(r)], "fit": "2026-12-01T10:00:00.000000+00:00"})
     agreed = report.write_report(data, tmp_path / "agreed")["markdown"].read_text()
     verdict_text = agreed[agreed.index("## Verdict"):agreed.index("## Answers")]
     assert verdict_text.index("**Measured at batch 1**") < verdict_text.index("Prediction: at batch 1")

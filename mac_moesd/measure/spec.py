@@ -511,13 +511,16 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
             if timed_drafter and medians else {})
     model = (predictor(run["batch"], run["gamma"], realised, self_draft, decoding, catch_up=loop, **step)
              if predictor and realised is not None and (step or not timed_drafter) else None)
-    return _prediction_record(run, parts, measured, model, sweep_step)
+    return _prediction_record(run, parts, measured, model, predictor, sweep_step)
 
 
 def _prediction_record(run: dict, parts: RoundParts, measured: dict | None, model: float | None,
-                       sweep_step) -> dict:
-    """``predictions``' fields from the timed parts' account of the round and the model's S."""
-    by = {"measured": measured["speedup"] if measured else None, "model": model}
+                       predictor, sweep_step) -> dict:
+    """``predictions``' fields from the timed parts' account of the round and the model's S,
+    which names the fit it came from (``fit.FitPredictor.fitted_at``) so that a reader can tell
+    it from a later fit's."""
+    by = {"measured": measured["speedup"] if measured else None, "model": model,
+          "fit": getattr(predictor, "fitted_at", None) if model is not None else None}
     swept = sweep_step(run["batch"]) if sweep_step else None
     return {"predicted_speedup": by["measured"] if by["measured"] is not None else model,
             "predicted_from": "measured" if by["measured"] is not None else ("model" if model else None),
@@ -550,7 +553,7 @@ def lookup_predictions(run: dict, parts: RoundParts, decodes: list[Decoded], pre
     measured = lookup_prediction(parts, run["plain_step_s"], widths, tokens_per_round, rolled)
     model = (predictor(run["batch"], widths, tokens_per_round, measured["draft_s"], rolled, decoding)
              if predictor else None)
-    return _prediction_record(run, parts, measured, model, sweep_step)
+    return _prediction_record(run, parts, measured, model, predictor, sweep_step)
 
 
 def measured_round_s(run: dict) -> float | None:

@@ -160,7 +160,7 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
             document = fit.fit_document(fit.fit(inputs),
                                         alphas=tuple(sorted(set(fit.DEFAULT_ALPHAS) | set(alphas or ()))))
         if busy is None:
-            data.setdefault("fits", {})[document["model"]] = document
+            document = fit.store_fit(data, document["model"], document)
             write_atomic(path, data)
         else:
             warn(f"the fit was not saved: {busy}")

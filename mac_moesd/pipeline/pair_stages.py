@@ -174,7 +174,7 @@ def _sweep(plan: PairPlan, drafters: tuple[str, ...] = ()) -> Stage:
 def fit_target(plan: PairPlan, store: ResultsStore) -> None:
     """The fit of the target's sweep with the run's drafter model's step (none: prompt lookup alone)."""
     inputs = fit.inputs_from_results(as_swept(store.data, plan), plan.target, draft_model=plan.draft_model)
-    store.data.setdefault("fits", {})[plan.target] = fit.fit_document(fit.fit(inputs))
+    fit.store_fit(store.data, plan.target, fit.fit_document(fit.fit(inputs)))
     store.save()
 
 

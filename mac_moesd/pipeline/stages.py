@@ -70,7 +70,7 @@ def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
         if f"sweep {name}" in outcome.skipped:
             continue
         inputs = fit.inputs_from_results(store.data, name)
-        store.data.setdefault("fits", {})[name] = fit.fit_document(fit.fit(inputs))
+        fit.store_fit(store.data, name, fit.fit_document(fit.fit(inputs)))
         fitted.append(name)
     store.save()
     if not fitted:

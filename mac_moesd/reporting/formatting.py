@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mac_moesd.machine import thermal
 from mac_moesd.units import gib, human_bytes
+
+if TYPE_CHECKING:
+    from mac_moesd.analysis.fit.document import RunPrediction
 
 
 def si(value: float | None, unit: str, digits: int = 3) -> str:
@@ -343,15 +348,30 @@ def precision_note(runs: list[dict]) -> str:
             + (f", {decided} stopped at a decided answer." if decided else "."))
 
 
-def predicted_cells(run: dict, model_prediction: float | None) -> list[str]:
+def predicted_cells(run: dict, model: RunPrediction) -> list[str]:
     """A timed run's two predictions beside its measurement, each with its error: from the SD
-    stage's own timed forwards (``predicted_by.measured``), and from the fitted model."""
+    stage's own timed forwards (``predicted_by.measured``), and from the fitted model as stored
+    with the run, with a newer fit's beside it where that predicts otherwise (``NEWER_FIT_NOTE``)."""
     measured = (run.get("predicted_by") or {}).get("measured")
 
     def cell(pred):
         return ["-", "-"] if pred is None else [f"{pred:.2f}", f"{pred / run['measured_speedup'] - 1:+.0%}"]
 
-    return cell(measured) + cell(model_prediction)
+    fitted = cell(model.stored)
+    if model.newer:
+        fitted[0] += f" (current fit: {model.now:.2f})"
+    return cell(measured) + fitted
+
+
+NEWER_FIT_NOTE = ("A fit prediction with \"current fit\" beside it: the first figure (and its error) is the one "
+                  "the SD stage stored with the run when it timed it (\"-\": there was no fit then), the second "
+                  "what the results' fit predicts now, which differs: the fit was made again after the run "
+                  "(or, for results recorded before fits were dated, the model has changed since).")
+
+
+def newer_fit_note(predictions: list[RunPrediction]) -> list[str]:
+    """``NEWER_FIT_NOTE`` where a row shows a newer fit's prediction, else nothing."""
+    return [NEWER_FIT_NOTE] if any(p.newer for p in predictions) else []
 
 
 PLAIN_VS_SWEEP_FLAG = 0.15  # the machine changed between the sweep and the SD stage beyond this

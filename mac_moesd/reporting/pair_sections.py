@@ -10,7 +10,7 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import spec_runs, theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
 from mac_moesd.reporting.formatting import (ROUND_HEADER, by_position, invalid_lines, measured_speedup,
-                                             plain_vs_sweep, precision_note, predicted_cells, rollback_cell,
+                                             newer_fit_note, plain_vs_sweep, precision_note, predicted_cells, rollback_cell,
                                              round_cell)
 from mac_moesd.results import keys
 from mac_moesd.units import human_bytes
@@ -375,11 +375,11 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
 
 def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
     fitted = d.fit_of(p["target"])
-    predictor = fit_module.speedup_predictor(fitted) if fitted else None
-    rows = []
+    rows, predictions = [], []
     for prompt_set, doc in docs.items():
         for r in doc["runs"]:
-            pred = fit_module.run_prediction(predictor, r, doc)
+            pred = fit_module.model_prediction(fitted, r, doc)
+            predictions.append(pred)
             rules = r.get("rules")
             rows.append([prompt_set, f"{r.get('temperature', 0):g}", str(r["batch"]), str(r["gamma"]),
                          r["engine"], "-" if r["alpha"] is None else f"{r['alpha']:.2f}",
@@ -402,6 +402,7 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
                     "gain in tokens per round over mlx-lm's rule (temperature > 0). The rollback column says "
                     "how the caches went back after rejected drafts and whether the audit against plain "
                     "decoding passed; an invalid run is left out of the verdict.")]
+    blocks += [("p", note) for note in newer_fit_note(predictions)]
     blocks += [("p", f"**{line}**") for doc in docs.values() for line in invalid_lines(doc)]
     return blocks + ([("figure", "measured_vs_predicted", "Measured against predicted SD speedup for this "
                        "pair (dashed: equal).")] if "measured_vs_predicted" in figures else [])

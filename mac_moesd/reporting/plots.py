@@ -233,17 +233,16 @@ def acceptance(d: Digest, folder: Path) -> Path | None:
 
 def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
     """Each timed SD run of a pair: measured speedup against the fit's prediction."""
-    from mac_moesd.analysis.fit import run_prediction, speedup_predictor
+    from mac_moesd.analysis.fit import model_prediction, speedup_predictor
 
     points = []
     for p in d.pairs:
         fitted = d.fit_of(p["target"])
-        predictor = speedup_predictor(fitted) if fitted else None
-        if predictor is None:
+        if fitted is None or speedup_predictor(fitted) is None:
             continue
         for prompt_set, doc in d.pair_spec(p).items():
             for r in valid_runs(doc["runs"]):
-                predicted = run_prediction(predictor, r, doc)
+                predicted = model_prediction(fitted, r, doc).shown
                 if predicted is not None:
                     points.append((f"{prompt_set}, {p['draft']}", r["batch"], r["measured_speedup"], predicted))
     if not points:

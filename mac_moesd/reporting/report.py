@@ -21,7 +21,7 @@ from mac_moesd.analysis import expert_reads, spec_runs, theory, verdict
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.results import parse_point_key
 from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, lookup_lines, measured_speedup, plain_vs_sweep,
-                                             precision_note, predicted_cells, kv_lines, one_row_lines,
+                                             newer_fit_note, precision_note, predicted_cells, kv_lines, one_row_lines,
                                              pipelining_lines, rollback_cell, roofline_shrunk_line, round_cell,
                                              routing_sentence, seconds, throttled_lines)
 
@@ -141,7 +141,6 @@ def _measured_lead(d: Digest, fit: dict) -> str:
     speedups with their CIs, the best, and whether the fitted model agrees with each (inside the
     CI widened by its held-out error); where it does not, the part of the round it prices furthest
     from the SD stage's own timing of it. Empty where nothing was timed."""
-    predictor = fit_module.speedup_predictor(fit)
     model = fit_module.FittedModel.from_document(fit)
     found = [(r, doc) for doc in d.spec if doc.get("target") == fit["model"]
              for r in spec_runs.valid_runs(doc.get("runs", [])) if r["batch"] == 1 and r.get("measured_speedup")]
@@ -156,11 +155,13 @@ def _measured_lead(d: Digest, fit: dict) -> str:
     worth = "pays off" if best["measured_speedup"] > 1.0 else "does not pay off"
     parts, off = [], []
     for r, doc in sorted(found, key=lambda x: x[0]["gamma"]):
-        pred = fit_module.run_prediction(predictor, r, doc)
-        if pred is None:
+        prediction = fit_module.model_prediction(fit, r, doc)
+        if prediction.shown is None:
             continue
-        check = verdict.agreement(r, pred, fit.get("heldout_mape"))
-        parts.append(f"gamma {r['gamma']} measured {measured_speedup(r)}, predicted {f2(pred)} "
+        check = verdict.agreement(r, prediction.shown, fit.get("heldout_mape"))
+        said = (f"predicted {f2(prediction.stored)} when timed, {f2(prediction.now)} by the current fit"
+                if prediction.newer and prediction.stored is not None else f"predicted {f2(prediction.shown)}")
+        parts.append(f"gamma {r['gamma']} measured {measured_speedup(r)}, {said} "
                      f"({'agrees' if check['agrees'] else 'disagrees'})")
         if not check["agrees"]:
             term = verdict.differing_term(model, r, fit_module.run_context(r, doc), fit_module.run_alpha(r))
@@ -447,17 +448,18 @@ def _spec(d: Digest) -> list:
     blocks = [("h2", "Measured speculative decoding")]
     for s in docs:
         fitted = d.fit_of(s["target"])
-        predictor = fit_module.speedup_predictor(fitted) if fitted else None
-        rows = []
+        rows, predictions = [], []
         for r in s["runs"]:
-            pred = fit_module.run_prediction(predictor, r, s)
+            pred = fit_module.model_prediction(fitted, r, s)
+            predictions.append(pred)
             rows.append([str(r["batch"]), str(r["gamma"]), str(r["gamma"] + 1),
                          "-" if r["alpha"] is None else f"{r['alpha']:.2f}", r["mode"],
                          f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                          measured_speedup(r), *predicted_cells(r, pred), plain_vs_sweep(r),
                          round_cell(r), rollback_cell(r)])
-        how = (f"the fit's (`{fitted['chosen']}` expert loads) at each run's realised alpha and context"
-               if predictor else "the fit's as stored with the run")
+        how = ("the fitted model's at each run's realised alpha and context, as this stage stored it with "
+               "the run" + (f" (the fit now in these results: `{fitted['chosen']}` expert loads)"
+                            if fitted and "chosen" in fitted else ""))
         blocks.append(("p", f"{s['target']} with drafter {s['draft']}, context {s['context']}, "
                        f"{s['new_tokens']} tokens per sequence; each verify forward has gamma+1 tokens. "
                        + precision_note(s["runs"]) + " Two predictions stand beside each measurement: "
@@ -473,6 +475,7 @@ def _spec(d: Digest) -> list:
         blocks.append(("table", ["B", "gamma", "verify tokens", "alpha", "mode", "plain tok/s", "SD tok/s",
                                  "measured S", "predicted (timed parts)", "error", "predicted (fit)", "error",
                                  "plain vs sweep", ROUND_HEADER, "rollback"], rows))
+        blocks += [("p", note) for note in newer_fit_note(predictions)]
         lookup = lookup_lines(s)
         if lookup:
             blocks += [("p", lookup[0] + "."), ("list", [line.strip() for line in lookup[1:]])]

@@ -499,6 +499,7 @@ class BookkeepingTerm(TypedDict, total=False):
 class FitDocument(TypedDict, total=False):
     """A ``fits`` document, keyed by model name; one without ``chosen`` predates the variants."""
     model: str
+    fitted_at: str  # UTC, ISO 8601 to the microsecond: names this fit
     draft_model: str | None
     drafted: bool
     reforward: list[str]  # target and/or draft: models whose rollback re-forwards the kept tokens
@@ -606,6 +607,7 @@ class RoundAccount(TypedDict, total=False):
 class PredictedBy(TypedDict, total=False):
     measured: float | None
     model: float | None
+    fit: str | None  # the ``fitted_at`` of the fit that priced ``model``
 
 
 class GreedyCheck(TypedDict, total=False):

@@ -41,9 +41,9 @@ its predictions; ``document`` writes the fit into the results file and reads sto
 Every public name is re-exported here, so ``fit.X`` works whichever module holds it.
 """
 
-from mac_moesd.analysis.fit.document import (cluster_section, decoding_context, fit_document, kv_section,
-                                             lookup_predictor, predictor_for, run_alpha, run_context, run_prediction,
-                                             speedup_predictor,
+from mac_moesd.analysis.fit.document import (FitPredictor, RunPrediction, cluster_section, decoding_context,
+                                             fit_document, kv_section, lookup_predictor, model_prediction,
+                                             predictor_for, run_alpha, run_context, speedup_predictor, store_fit,
                                              sweep_plain_step)
 from mac_moesd.analysis.fit.inputs import (DEFAULT_VERIFY, NO_DRAFT, NO_PIPELINED, NO_REJECT, NO_SECOND_CONTEXT,
                                            ONE_CONTEXT_ONLY, FitInputs, inputs_from_results, mlx_sort_threshold)
@@ -59,6 +59,6 @@ __all__ = [
     "FittedModel", "VariantFit", "bounds_for", "cluster_section", "decoding_context", "fit", "fit_document",
     "fit_variant", "inputs_from_results", "kv_section", "lookup_predictor", "measure_pipelining",
     "mlx_sort_threshold", "paper_comparison", "peaks", "predict", "predictor_for", "regime", "run_alpha",
-    "run_context", "run_prediction", "sparsity_sweep",
-    "speedup_predictor", "split", "sweep_plain_step", "verify_tokens",
+    "run_context", "model_prediction", "FitPredictor", "RunPrediction", "sparsity_sweep",
+    "speedup_predictor", "split", "store_fit", "sweep_plain_step", "verify_tokens",
 ]

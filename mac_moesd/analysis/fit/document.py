@@ -4,7 +4,11 @@ step that run is compared with."""
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -19,8 +23,9 @@ from mac_moesd.results.keys import DRAFTER_KINDS
 from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, run_alpha
 from mac_moesd.results import point_key
 
-__all__ = ["cluster_section", "decoding_context", "fit_document", "kv_section", "lookup_predictor", "predictor_for",
-           "run_alpha", "run_context", "run_prediction", "speedup_predictor", "sweep_plain_step"]
+__all__ = ["FitPredictor", "RunPrediction", "cluster_section", "decoding_context", "fit_document", "kv_section",
+           "lookup_predictor", "model_prediction", "predictor_for", "run_alpha", "run_context", "speedup_predictor",
+           "store_fit", "sweep_plain_step"]
 
 
 def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
@@ -31,6 +36,8 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
     sorted_from = (math.ceil(i.sort_threshold / i.top_k) if i.sort_threshold > 0 else 1)
     return {
         "model": i.model,
+        # Names this fit: a spec run stores it beside the prediction the fit made (``RunPrediction``).
+        "fitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds"),
         "draft_model": i.draft_model,
         "drafted": i.drafted,
         "reforward": list(i.reforward),
@@ -115,21 +122,82 @@ def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
 # ---- readers of a stored fit ----
 
 
+def store_fit(data: dict, name: str, document: dict) -> dict:
+    """Put ``document`` into the results' ``fits`` under ``name`` and return what is stored there:
+    the stored fit itself where the new one is the same fit (equal in every field but when it was
+    made and the stage's thermal record, as a resumed run refits), so that the SD runs it priced
+    still name it."""
+    fits = data.setdefault("fits", {})
+    previous = fits.get(name)
+    if previous is not None and _without_date(previous) == _without_date(document):
+        return previous
+    fits[name] = document
+    return document
+
+
+_NOT_THE_FIT = ("fitted_at", "thermal_pressure")  # when it was fitted, and the machine around the stage
+
+
+def _without_date(document: dict) -> str:
+    # Compared as JSON: a stored fit has lists where a fresh one may hold tuples.
+    return json.dumps({k: v for k, v in document.items() if k not in _NOT_THE_FIT}, sort_keys=True)
+
+
 def run_context(run: dict, doc: dict) -> float:
     """``decoding_context`` of one row of a stored spec document."""
     return decoding_context(run["context"] if "context" in run else doc["context"], doc.get("new_tokens", 0))
 
 
-def run_prediction(predictor, run: dict, doc: dict) -> float | None:
+SAME_PREDICTION = 0.005  # two predictions closer than this print alike (two decimals): one is shown
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """A timed SD run's prediction by the fitted model: ``stored``, as the SD stage computed it
+    with the fit of ``stored_fit`` (its ``fitted_at``; None for runs and fits made before fits
+    were named), and ``now``, by the results' current fit where that is another fit and
+    predicts otherwise (else None). Readers print ``stored``, and ``now`` beside it, saying so."""
+
+    stored: float | None
+    stored_fit: str | None = None
+    now: float | None = None
+    now_fit: str | None = None
+
+    @property
+    def shown(self) -> float | None:
+        """The one figure a plot can show: the stored prediction, else the current fit's."""
+        return self.stored if self.stored is not None else self.now
+
+    @property
+    def newer(self) -> bool:
+        """Whether a newer fit than the stored prediction's predicts this run otherwise."""
+        return self.now is not None
+
+
+def model_prediction(fit_doc: dict | None, run: dict, doc: dict) -> RunPrediction:
+    """``run``'s fitted-model prediction as stored with it, and by ``fit_doc`` (the results'
+    fit of its target; None: none) where that fit is not the one the stored value came from and
+    the two differ at two decimals (or nothing was stored)."""
+    by = run.get("predicted_by")
+    # Runs made before ``predicted_by`` stored the model's prediction as ``predicted_speedup``.
+    stored = by.get("model") if by is not None else run.get("predicted_speedup")
+    stored_fit = (by or {}).get("fit")
+    if fit_doc is None or (stored_fit is not None and fit_doc.get("fitted_at") == stored_fit):
+        return RunPrediction(stored, stored_fit)
+    now = _recomputed(predictor_for(fit_doc, run.get("drafter_kind", "model")), run, doc)
+    if now is None or (stored is not None and abs(now - stored) < SAME_PREDICTION):
+        return RunPrediction(stored, stored_fit)
+    return RunPrediction(stored, stored_fit, now, fit_doc.get("fitted_at"))
+
+
+def _recomputed(predictor, run: dict, doc: dict) -> float | None:
     """A timed SD run's speedup as ``predictor`` (``speedup_predictor``) gives it at the run's
-    realised alpha and context, or the fitted model's as stored with the run when there is no
-    predictor or alpha (runs made before ``predicted_by`` stored the model's as
-    ``predicted_speedup``), and for prompt lookup and an MTP head, whose predictions need what the
-    SD stage timed (the verify widths, the head's step)."""
+    realised alpha and context; None without a predictor or alpha, and for prompt lookup and an
+    MTP head, whose predictions need what the SD stage timed (the verify widths, the head's step)."""
     alpha = run_alpha(run)
     # A prompt-lookup run's prediction needs its verify widths, an MTP head's its timed step: as stored.
     if predictor is None or alpha is None or run.get("drafter_kind") in DRAFTER_KINDS:
-        return (run.get("predicted_by") or {}).get("model", run["predicted_speedup"])
+        return None
     return predictor(run["batch"], run["gamma"], alpha, run["mode"] == "self-draft", run_context(run, doc),
                      catch_up=feeds_last_draft(run))
 
@@ -167,7 +235,7 @@ def speedup_predictor(fit_doc: dict, verify: str = DEFAULT_VERIFY, drafter: bool
         return float(model.speedup(batch, gamma, alpha, context, verify, self_draft, draft_step=draft_step,
                                    reject=reject, catch_up=catch_up)[()])
 
-    return predict_one
+    return FitPredictor(predict_one, fit_doc.get("fitted_at"))
 
 
 def predictor_for(fit_doc: dict, drafter_kind: str):
@@ -185,5 +253,16 @@ def lookup_predictor(fit_doc: dict):
     chosen variant, which needs no drafter; None for a fit made before the expert-load variants."""
     if "chosen" not in fit_doc:
         return None
-    model = FittedModel.from_document(fit_doc)
-    return model.lookup_speedup
+    return FitPredictor(FittedModel.from_document(fit_doc).lookup_speedup, fit_doc.get("fitted_at"))
+
+
+@dataclass(frozen=True)
+class FitPredictor:
+    """A stored fit's prediction as a function, and the fit it came from (its ``fitted_at``,
+    None for a fit made before fits were named), which the SD stage stores beside what it priced."""
+
+    predict: Callable[..., float]
+    fitted_at: str | None
+
+    def __call__(self, *args, **kwargs) -> float:
+        return self.predict(*args, **kwargs)
