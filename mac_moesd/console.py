@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import click
 
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.finite_json import finite_document
 from mac_moesd.progress import Progress
+
+if TYPE_CHECKING:
+    from click._termui_impl import ProgressBar as ClickProgressBar
 
 __all__ = ["Cli", "ProgressBar", "emit", "finish_run", "warn"]
 
@@ -62,7 +65,7 @@ class ProgressBar(Progress):
 
     def __init__(self, label: str):
         self.label = label
-        self.bar = None
+        self.bar: ClickProgressBar[str] | None = None
 
     def __enter__(self) -> "ProgressBar":
         return self

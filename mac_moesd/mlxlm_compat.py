@@ -14,11 +14,16 @@ import importlib
 import inspect
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 
 from mac_moesd.errors import MacMoesdError
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.models.base import BaseModelArgs
 
 __all__ = ["CACHE_LAYOUTS", "PRIVATE_NAMES", "TESTED_RANGE", "MlxLmIncompatible", "PrivateName", "cache_children",
            "check_sorted_switch", "check_switch_call", "gather_sort", "in_tested_range", "incompatible",
@@ -71,13 +76,13 @@ def _lookup(module: str, name: str):
 # ---- model classes from a config ----
 
 
-def model_classes(config: dict) -> tuple[type, type]:
+def model_classes(config: dict) -> tuple[Callable[[BaseModelArgs], nn.Module], type[BaseModelArgs]]:
     """(Model, ModelArgs) for ``config``: mlx-lm's ``utils._get_classes``, else its twin."""
     get_classes = _lookup("mlx_lm.utils", "_get_classes")
     return get_classes(config) if get_classes is not None else _model_classes(config)
 
 
-def _model_classes(config: dict) -> tuple[type, type]:
+def _model_classes(config: dict) -> tuple[Callable[[BaseModelArgs], nn.Module], type[BaseModelArgs]]:
     """Twin of ``_get_classes``: the module ``mlx_lm.models.<model_type>``, after mlx-lm's renames
     (by architecture, then by model type) where this mlx-lm still publishes them."""
     model_type = config["model_type"]
@@ -171,7 +176,7 @@ def cache_children(cache) -> tuple:
 RECURRENCES = ("gated_delta_update", "ssm_update")
 
 
-def recurrence_sites(model) -> list[tuple[object, str]]:
+def recurrence_sites(model) -> list[tuple[ModuleType, str]]:
     """(module, name) of every recurrence function the model's layers call: a name of
     ``RECURRENCES`` bound in the module that defines one of the model's classes. Empty for a
     model whose recurrent layers compute their state another way (Jamba, Bailing-hybrid)."""

@@ -132,6 +132,17 @@ def test_dry_run_plans_deepseek_v3_per_rank_on_two_m3_ultras(parallel):
     assert ops == {"pipeline": {"all_gather", "sendrecv"}, "tensor": {"all_sum"}, "expert": {"all_sum"}}[parallel]
 
 
+@pytest.mark.parametrize("draft", ["prompt-lookup", "mtp-head"])
+def test_dry_run_plans_a_cluster_pair_whose_drafter_is_no_model(tiny_pair, draft):
+    args = ["run", "--dry-run", "--target", tiny_pair[0], "--draft", draft, "--chip", "Apple M2", "--memory", "16",
+            "--ranks", "2", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    # the target alone is sharded: no drafter model to plan
+    assert [s["stage"] for s in doc["stages"] if s["stage"].startswith("sweep")] == [f"sweep {tiny_pair[0]} (tensor x2)"]
+
+
 def test_ranks_need_the_dry_run():
     result = CliRunner().invoke(cli, ["run", "--ranks", "2"])
     assert result.exit_code == 2 and "mlx.launch -n N" in result.stderr

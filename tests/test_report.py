@@ -302,3 +302,22 @@ def test_an_invalid_sd_run_is_marked_and_left_out_of_the_verdict(tmp_path):
     assert "trim, AUDIT FAILED" in md
     verdict_text = md[md.index("## Verdict"):md.index("## Answers")]
     assert "9.99" not in verdict_text
+
+
+def test_a_prompt_lookup_run_beside_the_fit_leaves_the_acceptance_range_to_the_runs_with_one(tmp_path):
+    """Prompt lookup solves no acceptance (its proposals vary in length): its batch-1 run counts
+    among the measured speedups, and the range of acceptances is that of the runs that have one."""
+    data = json.loads(FIXTURE.read_text())
+    key, doc = next(iter(data["spec"].items()))
+    with_alpha = [r for r in doc["runs"] if r["batch"] == 1]
+    lookup_run = dict(with_alpha[0], mode="real", drafter_kind="prompt-lookup", measured_speedup=0.5,
+                      lookup={"proposal_rate": 0.6, "mean_proposal": 2.0, "mean_width": 2.0, "rolled_back_share": 0.5})
+    lookup_run.update(alpha=None, measured_alpha=None)
+    for name in ("predicted_by", "predicted_speedup"):
+        lookup_run.pop(name, None)
+    data["spec"]["tiny-moe|prompt-lookup|real|edit"] = dict(
+        doc, draft="prompt-lookup", drafter_kind="prompt-lookup", mode="real", runs=[lookup_run],
+        prompts={"name": "edit", "encoding": "plain", "count": 4, "tokens": [20, 30]})
+    md = report.write_report(data, tmp_path)["markdown"].read_text()
+    realised = [r.get("measured_alpha", r["alpha"]) for r in with_alpha]
+    assert f"realised {min(realised):.2f}-{max(realised):.2f})" in md

@@ -100,6 +100,17 @@ def test_tokens_count_by_arrival_inside_the_window():
     assert json.dumps(leg, allow_nan=False)  # never NaN
 
 
+def test_a_request_whose_usage_came_without_content_is_left_out_of_the_rates():
+    # A server may answer with the usage chunk only (no content chunk streamed): it finished, but it
+    # has no first token to time a rate from.
+    cfg = LegConfig(url="u", model="m", concurrency=1, prompts=("p",), max_tokens=4, warmup_s=0.0, window_s=2.0)
+    ok = RequestRecord(start=0.1, chunks=[0.2, 0.4, 0.6, 0.8], end=0.9, finish_reason="length")
+    silent = RequestRecord(start=1.0, chunks=[], end=1.5, usage_tokens=4, finish_reason="length")
+    leg = serving.leg_document(cfg, [ok, silent], {"cpu_s": 0.1, "wall_s": 2.0}, "plain", None, None, "p", {})
+    assert leg["per_request_tok_s"]["p50"] == pytest.approx(3 / 0.7)  # ok alone: 3 tokens after its first, 0.7 s
+    json.dumps(leg, allow_nan=False)
+
+
 def test_empty_leg_is_failed_with_nulls_not_nan():
     cfg = LegConfig(url="u", model="m", concurrency=1, prompts=("p",), max_tokens=4, warmup_s=0.0, window_s=1.0)
     leg = serving.leg_document(cfg, [], {"cpu_s": 0.0, "wall_s": 1.0}, "plain", None, None, "p", {})

@@ -90,3 +90,13 @@ def test_predictions_take_the_acceptance_pass_of_the_same_pair_and_prompts():
     # No fit of the target: no lines, and why.
     rows, why = serving_stage.predictions({**doc, "target_name": "other"}, data, "this results file")
     assert rows == [] and "no fit of other" in why
+
+
+def test_a_target_served_without_a_drafter_gets_plain_lines_and_says_why_no_sd_line():
+    data = {"fits": {"tiny-moe": FIT}}
+    doc = {"target_name": "tiny-moe", "draft_name": None, "gamma": None, "tokens": 64, "prompts": ["code"],
+           "concurrency": [1, 4], "legs": [leg("plain", 1, 100), leg("plain", 4, 300)]}
+    rows, why = serving_stage.predictions(doc, data, "this results file")
+    assert why is None and [r["concurrency"] for r in rows] == [1, 4]
+    assert all(r["plain_tok_s"] > 0 and r["sd_batched_tok_s"] is None for r in rows)
+    assert all(r["why"] == "no DRAFT named, so no acceptance pass to look up" for r in rows)

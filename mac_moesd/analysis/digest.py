@@ -122,13 +122,16 @@ class ModelView:
 
     def ratio_curve(self, batch: int) -> tuple[list[int], list[float]]:
         base = self.median(batch, 1)
-        ts = [t for t in self.tokens if self.median(batch, t) is not None and base]
-        return ts, [self.median(batch, t) / base for t in ts]
+        if not base:
+            return [], []
+        medians = {t: m for t in self.tokens if (m := self.median(batch, t)) is not None}
+        return list(medians), [m / base for m in medians.values()]
 
     def efficiency_curve(self, tokens: int) -> tuple[list[int], list[float]]:
         """Measured T_T(B,1)/T_T(B,tokens) for every batch that has both points."""
-        bs = [b for b in self.batches if self.median(b, 1) and self.median(b, tokens)]
-        return bs, [self.median(b, 1) / self.median(b, tokens) for b in bs]
+        pairs = [(b, one, many) for b in self.batches
+                 if (one := self.median(b, 1)) and (many := self.median(b, tokens))]
+        return [b for b, _, _ in pairs], [one / many for _, one, many in pairs]
 
     def operating_point(self, tokens: int) -> tuple[float, float] | None:
         """(FLOP per byte read, achieved FLOP/s) of a batch-1 forward of ``tokens`` tokens."""
@@ -137,7 +140,10 @@ class ModelView:
             return None
         fp = self.footprint
         flop = 2 * fp["params_active"] * tokens
-        experts_read = theory.activated_experts(tokens, self.experts, self.top_k) if self.experts else 0
+        experts, top_k = self.experts, self.top_k
+        if experts:
+            assert top_k is not None, "a footprint with experts names its top_k"
+        experts_read = theory.activated_experts(tokens, experts, top_k) if experts and top_k else 0
         nbytes = fp["bytes_dense_streamed"] + experts_read * fp.get("bytes_per_expert", 0)
         return flop / nbytes, flop / seconds
 

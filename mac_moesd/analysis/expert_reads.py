@@ -46,9 +46,9 @@ class Routing:
         batch, tokens = np.broadcast_arrays(np.asarray(batch, dtype=float), np.asarray(tokens, dtype=float))
         active = theory.activated_experts(self.effective_tokens(batch, tokens), experts, top_k)
         if self.counts:
-            counted = [self.counts.get((int(b), int(t)), np.nan) if b == int(b) and t == int(t) else np.nan
-                       for b, t in zip(batch.ravel(), tokens.ravel())]
-            counted = np.asarray(counted, dtype=float).reshape(batch.shape)
+            counted = np.asarray([self.counts.get((int(b), int(t)), np.nan) if b == int(b) and t == int(t)
+                                  else np.nan for b, t in zip(batch.ravel(), tokens.ravel())],
+                                 dtype=float).reshape(batch.shape)
             active = np.where(np.isnan(counted), active, counted)
         return active
 

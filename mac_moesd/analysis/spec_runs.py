@@ -8,6 +8,8 @@ prediction that read them.
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 __all__ = ["decoding_context", "feeds_last_draft", "measured_acceptance", "run_alpha", "valid_runs"]
 
 
@@ -17,7 +19,7 @@ def valid_runs(runs: list[dict]) -> list[dict]:
     return [r for r in runs if r.get("valid", True)]
 
 
-def feeds_last_draft(run: dict) -> bool | None:
+def feeds_last_draft(run: Mapping[str, Any]) -> bool | None:
     """Whether the run's loop fed the drafter its last draft on its own after a round that
     accepted every draft (the suite's loop), or with the next round's first step (mlx-lm's);
     None for runs recorded without their engine (``FittedModel.catch_up`` then goes by batch)."""

@@ -175,7 +175,7 @@ def rollback_probability(alpha: ArrayLike, gamma: ArrayLike, batch: ArrayLike = 
     return 1.0 - alpha ** (gamma * batch)
 
 
-def kept_on_rollback(alpha: ArrayLike, gamma: ArrayLike, batch: ArrayLike = 1) -> np.ndarray:
+def kept_on_rollback(alpha: ArrayLike, gamma: int, batch: ArrayLike = 1) -> np.ndarray:
     """Tokens a rolled-back round keeps (and a re-forward feeds again): the batch's shortest
     accepted prefix, which the loops share, plus the token after it, given that some draft was
     rejected. The shortest prefix m of B sequences has P(m >= j) = alpha^(jB), so

@@ -59,7 +59,10 @@ def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
                gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS) -> tuple[int, float]:
     """(gamma, predicted S) of the draft length with the highest predicted speedup."""
-    return theory.best_gamma(lambda g: float(model.speedup(batch, g, alpha, context)), gammas)
+    best = theory.best_gamma(lambda g: float(model.speedup(batch, g, alpha, context)), gammas)
+    if best is None:
+        raise ValueError("no draft lengths to choose from")
+    return best
 
 
 def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, context: int) -> dict:
@@ -76,7 +79,7 @@ def deciding_term(model: FittedModel, batch: int, gamma: int, alpha: float, cont
                                 bookkeeping=cost.bookkeeping).speedup(gamma + 1),
     }
     return {
-        "term": max(without, key=without.get),
+        "term": max(without, key=lambda k: without[k]),
         "speedup": cost.speedup(omega),
         "tokens_per_round": omega,
         "speedup_without": without,
@@ -138,7 +141,7 @@ def agreement(run: dict, predicted: float, heldout_mape: float | None) -> dict:
             "agrees": band[0] <= predicted <= band[1], "agreement_band": band}
 
 
-def differing_term(model: FittedModel, run: dict, context: float, alpha: float) -> dict | None:
+def differing_term(model: FittedModel, run: dict, context: float, alpha: float | None) -> dict | None:
     """Which part of the round differs most between the model's account and the timed run's own
     (``round``, timed in the SD stage): the plain step, the verify forward, the drafter's steps,
     the rollback (where the run timed one that costs something), the loop's bookkeeping (where
@@ -155,7 +158,8 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float) 
         "verify": verify_s / measured["verify_s"] if measured["verify_s"] else None,
         "drafter steps": gamma * draft / measured["draft_s"] if measured["draft_s"] else None,
         "acceptance": (float(theory.expected_tokens_per_round(alpha, gamma))
-                       / float(theory.expected_tokens_per_round(realised, gamma))) if realised is not None else None,
+                       / float(theory.expected_tokens_per_round(realised, gamma)))
+                       if realised is not None and alpha is not None else None,
     }
     if model.reforward and measured.get("rollback_s") and realised is not None:
         ratios["rollback"] = (float(model.rollback_time(run["batch"], gamma, realised, context))

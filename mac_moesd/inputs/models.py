@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,12 +35,20 @@ from mac_moesd import mlxlm_compat
 from mac_moesd.inputs import hfcache, zoo
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import schema
 
 __all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
            "resolve", "stored_format", "weights_folder"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GROUP_SIZE = 64  # mlx-lm's default quantization group
+
+
+def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    """``tree_flatten``'s list: mlx annotates list or dict, a dict only where given as ``destination``."""
+    flat = tree_flatten(tree, is_leaf=is_leaf)
+    assert isinstance(flat, list)
+    return flat
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ def _check_then_load(model: nn.Module, name: str, weights: list, strict: bool = 
     also holds the layers past a slice."""
     del model.load_weights  # the instance attribute; the class's method stays
     given = dict(weights)
-    expected = dict(tree_flatten(model.parameters()))
+    expected = dict(_flat(model.parameters()))
     missing = sorted(expected.keys() - given.keys())
     if missing:
         raise MacMoesdError(f"{name}: its safetensors lack {len(missing)} of the {len(expected)} tensors "
@@ -140,7 +149,7 @@ def _load(folder: Path, name: str, config: dict | None = None) -> nn.Module:
 
         def make(args) -> nn.Module:
             model = model_class(args)
-            model.load_weights = functools.partial(_check_then_load, model, name)
+            setattr(model, "load_weights", functools.partial(_check_then_load, model, name))  # over the method
             return model
 
         return make, args_class
@@ -193,16 +202,16 @@ class Footprint:
         """Parameters one token touches: dense part plus K of E experts."""
         if not self.experts:
             return self.params_dense
+        assert self.top_k is not None  # set with experts (zoo.expert_shape)
         return self.params_dense + self.params_expert * self.top_k // self.experts
 
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.update(
-            params_dense=self.params_dense,
-            params_active=self.params_active,
-            bytes_dense_streamed=self.bytes_dense_streamed,
-            bytes_per_expert=self.bytes_per_expert,
-        )
+    def to_dict(self) -> schema.Footprint:
+        # asdict gives the dataclass's fields, which schema.Footprint declares beside the derived four
+        out = cast(schema.Footprint, asdict(self))
+        out["params_dense"] = self.params_dense
+        out["params_active"] = self.params_active
+        out["bytes_dense_streamed"] = self.bytes_dense_streamed
+        out["bytes_per_expert"] = self.bytes_per_expert
         return out
 
 
@@ -210,11 +219,11 @@ def _param_count(module: nn.Module) -> int:
     if hasattr(module, "bits"):  # quantized: count the weights it packs, as mlx-lm does
         bias = module.bias.size if "bias" in module else 0
         return module.weight.size * 32 // module.bits + bias
-    return sum(v.size for _, v in tree_flatten(module.parameters()))
+    return sum(v.size for _, v in _flat(module.parameters()))
 
 
 def _nbytes(module: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    return sum(v.nbytes for _, v in _flat(module.parameters()))
 
 
 def footprint(model: nn.Module, config: dict) -> Footprint:
@@ -222,7 +231,7 @@ def footprint(model: nn.Module, config: dict) -> Footprint:
     shape = zoo.expert_shape(config)
     counts = {"total": [0, 0], "expert": [0, 0], "embedding": [0, 0], "head": [0, 0]}
     moe_layers = set()
-    for path, module in tree_flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
+    for path, module in _flat(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
         n, b = _param_count(module), _nbytes(module)
         counts["total"][0] += n
         counts["total"][1] += b
@@ -297,9 +306,9 @@ class Built:
         model (or layer) runs those transients side by side. One at a time, only the largest
         array's transient comes on top of the weights (``memory.init_transient_bytes``)."""
         for layer in self.model.layers:
-            for _, array in tree_flatten(layer.parameters()):
+            for _, array in _flat(layer.parameters()):
                 mx.eval(array)
-        for _, array in tree_flatten(self.model.parameters()):
+        for _, array in _flat(self.model.parameters()):
             mx.eval(array)  # embedding, final norm, head; the layers' arrays are done already
 
 
@@ -335,16 +344,16 @@ def quantized_dtype(model: nn.Module) -> str:
     """The dtype a pre-quantized model computes in, read from its tensors: that of its quantization
     scales and biases; where its scales are not floating point (mxfp4, nvfp4: 8-bit exponents),
     that of its other floating-point parameters. The largest share wins."""
-    sizes: dict = {}
+    sizes: dict[mx.Dtype, int] = {}
     for scale_dtypes_only in (True, False):
-        for path, array in tree_flatten(model.parameters()):
+        for path, array in _flat(model.parameters()):
             if mx.issubdtype(array.dtype, mx.floating) and (
                     not scale_dtypes_only or path.endswith((".scales", ".biases"))):
                 sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size
         if sizes:
             break
     names = {v: k for k, v in DTYPES.items()}
-    found = max(sizes, key=sizes.get) if sizes else None
+    found = max(sizes, key=sizes.__getitem__) if sizes else None
     if found not in names:
         raise MacMoesdError(f"a pre-quantized model in {found} (known: {', '.join(DTYPES)})")
     return names[found]
@@ -373,7 +382,7 @@ def build(
     config = zoo.slice_config(source.config, layers)
     mx.random.seed(seed)
     try:
-        if source.has_weights:
+        if source.weights_dir is not None:
             model = _load(source.weights_dir, source.name, config)
         else:
             model_class, args_class = mlxlm_compat.model_classes(config)
@@ -401,16 +410,16 @@ def build(
 def stored_format(source: ModelSource) -> str | None:
     """The weight format a checkpoint holds ("4bit", "fp16", ...): its quantization bits, else the
     dtype most of its parameters have, read lazily (no weight is loaded). None without weights."""
-    if not source.has_weights:
+    if source.weights_dir is None:
         return None
     if "quantization" in source.config:
         return f"{int(source.config['quantization'].get('bits', 4))}bit"
     model = _load(source.weights_dir, source.name)
-    sizes: dict = {}
-    for _, array in tree_flatten(model.parameters()):
+    sizes: dict[mx.Dtype, int] = {}
+    for _, array in _flat(model.parameters()):
         sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size
     names = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
-    return names.get(max(sizes, key=sizes.get), str(max(sizes, key=sizes.get)))
+    return names.get(max(sizes, key=sizes.__getitem__), str(max(sizes, key=sizes.__getitem__)))
 
 
 def describe_zoo() -> list[dict]:

@@ -50,7 +50,7 @@ def _preloaded() -> str | None:
 def _wheel_openblas() -> tuple[str, str] | None:
     """(the wheel's OpenBLAS, the forwarding library) where both are installed, else None."""
     try:
-        import scipy_openblas32
+        import scipy_openblas32  # type: ignore[import-untyped]  # the wheel ships no type information
     except ImportError:
         return None
     library = os.path.join(scipy_openblas32.get_lib_dir(), scipy_openblas32.get_library(fullname=True))
@@ -162,6 +162,8 @@ def describe(backend: str) -> dict:
             )
         return {"name": "reference", "path": None, "note": note, "warning": warning}
     if path in _state["libraries"]:  # ours: the OpenBLAS, or the library forwarding to it
-        path, note = _preloaded(), f"loaded from {_state['source']}"
+        preloaded = _preloaded()
+        assert preloaded is not None  # path is one of the libraries it loaded
+        path, note = preloaded, f"loaded from {_state['source']}"
     name = "openblas" if "openblas" in path.lower() else os.path.basename(path)
     return {"name": name, "path": path, "note": note, "warning": None}

@@ -321,7 +321,7 @@ def measuring_stage() -> Iterator[dict]:
         yield {"wired_limit_bytes": None,
                "wired_limit_note": why or "Metal reports no recommended working set"}
         return
-    previous = mx.set_wired_limit(limit)
+    previous = mx.set_wired_limit(int(limit))  # device_info's values are typed str | int
     try:
         yield {"wired_limit_bytes": limit}
     finally:

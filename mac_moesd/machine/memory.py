@@ -14,7 +14,7 @@ import os
 import platform
 import re
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,6 +25,7 @@ from mac_moesd.machine import hardware
 from mac_moesd.inputs import zoo
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 from mac_moesd.errors import BadInput
+from mac_moesd.results import schema
 from mac_moesd.units import GiB
 
 __all__ = [
@@ -116,9 +117,12 @@ class Usable:
 def usable_from(ceiling: int | None, free: int | None, limit: int | None, source: str) -> Usable:
     """Pure rule: min(ceiling, free) less the margin, then the cap."""
     known = [v for v in (ceiling, free) if v is not None]
-    if not known and limit is None:
+    if known:
+        base = min(known)
+    elif limit is not None:
+        base = limit
+    else:
         raise BadInput("cannot tell how much memory is usable here: set --memory-limit")
-    base = min(known) if known else limit
     margin = int(base * MARGIN)
     usable_bytes = base - margin
     if limit is not None:
@@ -164,7 +168,7 @@ def start_stage() -> None:
     mx.reset_peak_memory()
 
 
-def record(estimate: Mapping, usable_bytes: int | None) -> dict:
+def record(estimate: Mapping, usable_bytes: int | None) -> schema.Memory:
     """A stage's memory entry for results.json: the estimate beside the measured peak."""
     return {"estimate_bytes": int(estimate["peak_bytes"]), "peak_bytes": int(mx.get_peak_memory()),
             "usable_bytes": usable_bytes, "phase": estimate["phase"], "parts": dict(estimate["parts"])}
@@ -313,10 +317,17 @@ def logits_bytes(config: dict, batch: int, tokens: int) -> int:
     return batch * tokens * config["vocab_size"] * LOGIT_BYTES
 
 
+def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
+    """``tree_flatten``'s list: mlx annotates list or dict, a dict only where given as ``destination``."""
+    flat = tree_flatten(tree, is_leaf=is_leaf)
+    assert isinstance(flat, list)
+    return flat
+
+
 def _elements(module: nn.Module) -> int:
     if hasattr(module, "bits"):  # quantized: the weights it packs
         return module.weight.size * 32 // module.bits
-    return max((v.size for _, v in tree_flatten(module.parameters())), default=0)
+    return max((v.size for _, v in _flat(module.parameters())), default=0)
 
 
 def init_transient_bytes(model: nn.Module, dtype: str, quantized: bool) -> int:
@@ -331,7 +342,7 @@ def init_transient_bytes(model: nn.Module, dtype: str, quantized: bool) -> int:
     if not cast and not quantized:
         return 0
     per_param = 4 + (mx.float16.size if cast and quantized else 0)
-    largest = max((_elements(m) for _, m in tree_flatten(
+    largest = max((_elements(m) for _, m in _flat(
         model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module))), default=0)
     return largest * per_param
 
@@ -339,7 +350,7 @@ def init_transient_bytes(model: nn.Module, dtype: str, quantized: bool) -> int:
 def phases(**named: dict[str, int]) -> dict:
     """The peak of several phases, each a dict of parts in bytes: which one, its parts, its sum."""
     totals = {name: sum(parts.values()) for name, parts in named.items()}
-    phase = max(totals, key=totals.get)
+    phase = max(totals, key=totals.__getitem__)
     return {"peak_bytes": totals[phase], "phase": phase, "parts": named[phase]}
 
 

@@ -16,12 +16,15 @@ a skipped token): the check is then invalid, and so is the run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 
 from mac_moesd.analysis import acceptance
+from mac_moesd.results import schema
 from mac_moesd.measure.prompt_lookup import LookupRule
-from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.measure.spec_loop import Decoder, RuleProbs
 
 __all__ = ["NEAR_TIE", "greedy_check", "logit_margin", "measure_acceptance"]
 
@@ -47,7 +50,7 @@ def logit_margin(model, prompt: mx.array, decoded: np.ndarray, position: int,
     return margin, margin <= NEAR_TIE.get(logits.dtype, NEAR_TIE[mx.float32]) * max(1.0, abs(first))
 
 
-def greedy_check(pairs, margin_of=None) -> dict:
+def greedy_check(pairs, margin_of=None) -> schema.GreedyCheck:
     """Compare SD outputs with plain greedy outputs, sequence by sequence, over the tokens both
     produced. ``pairs``: (sd, plain) arrays of shape (batch, tokens); ``margin_of(pair, row,
     position)``: ``logit_margin`` of that sequence (None: mismatches are not explained, and
@@ -84,24 +87,30 @@ def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, t
     mx.random.seed(seed)
     counts: list[int] = []
     offered: list[int] | None = [] if lookup is not None else None
-    rules = {rule: ([], []) for rule in acceptance.RULES}
-    pairs, prompts = [], []
+    rules: RuleProbs = {rule: ([], []) for rule in acceptance.RULES}
+    pairs: list[tuple[np.ndarray, np.ndarray]] = []
+    prompts: list[mx.array] = []
     for ids in prompt_ids:
         decoder = Decoder(target, draft, mx.array([ids]), rollback=rollback, vocab=vocab, lookup=lookup)
         out = decoder.speculative(new_tokens, gamma, "real", temperature=temperature, rules=lookup is None)
         counts += out.per_round
         if offered is not None:
+            assert out.proposed is not None  # a lookup decode records its proposals
             offered += out.proposed
         if temperature > 0:
             for rule, (token_probs, position_probs) in (out.rule_probs or {}).items():
                 rules[rule][0].extend(token_probs)
                 rules[rule][1].extend(position_probs)
         else:
+            assert out.outputs is not None
+            sd_out = out.outputs[:, :new_tokens]
             decoder.reset()
-            pairs.append((out.outputs[:, :new_tokens], decoder.plain(new_tokens).outputs))
+            plain_out = decoder.plain(new_tokens).outputs
+            assert plain_out is not None
+            pairs.append((sd_out, plain_out))
             prompts.append(mx.array(ids))
         del decoder
-    entry = {
+    entry: dict[str, Any] = {
         "gamma": gamma, "temperature": temperature, "prompts_measured": len(prompt_ids),
         "new_tokens": new_tokens,
         "rule_run": "mlx-lm" if temperature > 0 else "greedy",

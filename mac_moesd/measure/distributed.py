@@ -186,7 +186,8 @@ def sharded_builder(cluster: Cluster, sharded_by: dict) -> Callable[..., models.
         fp = built.footprint
         names = [f.name for f in fields(fp) if isinstance(getattr(fp, f.name), int)]
         worst = cluster.largest([getattr(fp, n) for n in names])
-        return replace(built, footprint=replace(fp, **dict(zip(names, worst))))
+        largest: dict[str, Any] = dict(zip(names, worst))  # int fields only, named at run time
+        return replace(built, footprint=replace(fp, **largest))
 
     return build
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import schema
 
 __all__ = ["KERNEL_DIR", "NAMES", "KernelCheckFailed", "Kernels", "check", "load_source"]
 
@@ -65,8 +66,8 @@ def _as_mx(x) -> mx.array:
 Reference = Callable[[int, int], mx.array]  # the expected values of elements [lo, hi) of the flat output
 
 
-def check(name: str, got: mx.array | np.ndarray, want: mx.array | np.ndarray | Reference,
-          rtol: float = 1e-4) -> None:
+def check(name: str, got: mx.array | np.ndarray | Sequence[float],
+          want: mx.array | np.ndarray | Sequence[float] | Reference, rtol: float = 1e-4) -> None:
     """Raise KernelCheckFailed unless ``got`` matches ``want`` elementwise within ``rtol``.
 
     Compared on the device in chunks of CHECK_CHUNK elements (``atol`` is ``rtol`` times the
@@ -87,18 +88,19 @@ def check(name: str, got: mx.array | np.ndarray, want: mx.array | np.ndarray | R
     chunks = [(lo, min(lo + CHECK_CHUNK, n)) for lo in range(0, n, CHECK_CHUNK)]
     peak = 0.0
     for lo, hi in chunks:
-        peak = max(peak, mx.max(mx.abs(chunk_of(lo, hi).astype(mx.float32))).item())
+        peak = max(peak, float(mx.max(mx.abs(chunk_of(lo, hi).astype(mx.float32)))))
     atol = rtol * peak
     bad_total, first = 0, None
     for lo, hi in chunks:
         expected = chunk_of(lo, hi)
         bad = mx.logical_not(mx.isclose(g[lo:hi], expected, rtol=rtol, atol=atol))
-        count = mx.sum(bad).item()
+        count = int(mx.sum(bad))
         if count and first is None:
-            at = mx.argmax(bad).item()
+            at = int(mx.argmax(bad))
             first = (lo + at, g[lo + at].item(), expected[at].item())
         bad_total += count
     if bad_total:
+        assert first is not None
         raise KernelCheckFailed(
             f"{name}: {bad_total} of {n} values wrong "
             f"(first at {first[0]}: {first[1]!r}, expected {first[2]!r})"
@@ -153,7 +155,7 @@ def fma_reference(seed: np.ndarray, m: float, k: float, iterations: int) -> np.n
     m32, k32 = np.float32(m), np.float32(k)
     for _ in range(iterations):
         chains = [x * m32 + k32 for x in chains]
-    return sum(chains).sum(axis=1)
+    return sum(chains[1:], start=chains[0]).sum(axis=1)
 
 
 # ---- the Metal kernels ----
@@ -187,6 +189,7 @@ def _probe(k: Kernels, name: str) -> None:
     else:
         seed = mx.arange(THREADGROUP, dtype=mx.float32) * 1e-3
         out = k.fma(seed, 0.999, 1e-4, 16)
+        assert out is not None  # paths["fma"] is "metal" while it is probed
         check("fma", out, fma_reference(np.array(seed), 0.999, 1e-4, 16), rtol=1e-4)
 
 
@@ -216,7 +219,7 @@ class Kernels:
             return self.reasons["read"]
         return "; ".join(f"{name}: {self.reasons[name]}" for name in NAMES)
 
-    def describe(self) -> dict:
+    def describe(self) -> schema.Kernels:
         return {"path": self.path, "note": self.reason,
                 "per_kernel": {n: {"path": self.paths[n], "reason": self.reasons[n]} for n in NAMES}}
 

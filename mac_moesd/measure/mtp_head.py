@@ -36,7 +36,8 @@ __all__ = ["MTPHead"]
 
 def _language_model(model: nn.Module) -> nn.Module:
     """The text model inside a multimodal wrapper (Qwen3.5's ``language_model``), else the model."""
-    return getattr(model, "language_model", model)
+    language = getattr(model, "language_model", None)
+    return language if isinstance(language, nn.Module) else model
 
 
 def _inner(model: nn.Module) -> nn.Module:

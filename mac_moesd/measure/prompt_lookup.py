@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mac_moesd.results import schema
+
 __all__ = ["LookupRule", "PromptLookup", "propose"]
 
 
@@ -29,7 +31,7 @@ class LookupRule:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError("--lookup-min-ngram must be >= 1 and <= --lookup-max-ngram")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> schema.LookupRule:
         return {"max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
 
 

@@ -171,7 +171,7 @@ def _recording(original: Callable) -> Callable:
                 return log.record(leaf, original, bound, convs)
         return original(*args, **kwargs)
 
-    recurrence.__wrapped__ = original
+    setattr(recurrence, "__wrapped__", original)  # a function object takes it; its type does not say so
     return recurrence
 
 
@@ -183,7 +183,7 @@ def _recording_conv(self, x):
 def _install(sites) -> None:
     if not _conv_call:
         _conv_call.append(nn.Conv1d.__call__)
-        nn.Conv1d.__call__ = _recording_conv
+        setattr(nn.Conv1d, "__call__", _recording_conv)
     for module, name in sites:
         key = (module.__name__, name)
         if key not in _patched:
@@ -196,7 +196,7 @@ def _uninstall() -> None:
         setattr(module, name, original)
     _patched.clear()
     if _conv_call:
-        nn.Conv1d.__call__ = _conv_call.pop()
+        setattr(nn.Conv1d, "__call__", _conv_call.pop())
     _pending_convs.clear()
 
 

@@ -52,10 +52,11 @@ def _arrays(leaf) -> tuple[list, int | None]:
     if kind == "sliding":
         return list(_window(leaf)), leaf.offset
     if type(leaf).__name__ == "QuantizedKVCache":
-        keys, values = leaf.keys_and_values() if leaf.keys is not None else (None, None)
-        if keys is None:
+        if leaf.keys is None:
             return [], leaf.offset
-        deq = [mx.dequantize(*kv, group_size=leaf.group_size, bits=leaf.bits) for kv in (keys, values)]
+        keys, values = leaf.keys_and_values()
+        deq = [mx.dequantize(w, scales, biases, group_size=leaf.group_size, bits=leaf.bits)
+               for w, scales, biases in (keys, values)]
         return [a[..., : leaf.offset, :] for a in deq], leaf.offset
     if leaf.keys is None:
         return [], leaf.offset

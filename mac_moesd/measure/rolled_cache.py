@@ -43,8 +43,8 @@ class RolledBackCache:
         cuts = set(range(0, context, PREFILL_CHUNK))
         if also_at and not self.trimmable and 0 < also_at < context:
             cuts.add(also_at)
-        cuts = sorted(cuts) + [context]
-        for start, end in zip(cuts, cuts[1:]):
+        bounds = sorted(cuts) + [context]
+        for start, end in zip(bounds, bounds[1:]):
             model(prompt[:, start:end], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             if end == also_at and not self.trimmable:

@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable, Hashable, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -180,12 +180,12 @@ def _smaller(cfg: RooflineConfig) -> RooflineConfig | None:
     return None
 
 
-def _shape_of(cfg: RooflineConfig) -> dict:
+def _shape_of(cfg: RooflineConfig) -> schema.RooflineShape:
     return {"sizes_bytes": list(cfg.sizes), "gemv_bytes": cfg.gemv_bytes,
             "min_launch_bytes": cfg.min_launch_bytes, "peak_bytes": peak_bytes(cfg)}
 
 
-def fit_memory(cfg: RooflineConfig, usable_bytes: int | None) -> tuple[RooflineConfig, dict | None]:
+def fit_memory(cfg: RooflineConfig, usable_bytes: int | None) -> tuple[RooflineConfig, schema.Shrunk | None]:
     """``cfg`` shrunk (``_smaller``) until its peak fits ``usable_bytes``, and what was shrunk:
     None when it fit as configured, else ``usable_bytes``, ``from`` and ``to`` (STREAM sizes,
     GEMV weight, least launch allowance and peak, in bytes) and ``plateau_reached`` (a STREAM size at
@@ -200,8 +200,10 @@ def fit_memory(cfg: RooflineConfig, usable_bytes: int | None) -> tuple[RooflineC
     validate(shrunk, usable_bytes)
     if shrunk == cfg:
         return cfg, None
-    return shrunk, {"usable_bytes": usable_bytes, "from": _shape_of(cfg), "to": _shape_of(shrunk),
-                    "plateau_reached": max(shrunk.sizes) >= cfg.plateau_from}
+    assert usable_bytes is not None  # only a limit shrinks
+    what: schema.Shrunk = {"usable_bytes": usable_bytes, "from": _shape_of(cfg), "to": _shape_of(shrunk),
+                           "plateau_reached": max(shrunk.sizes) >= cfg.plateau_from}
+    return shrunk, what
 
 
 def validate(cfg: RooflineConfig, available_bytes: int | None, cap_bytes: int | None = None) -> None:
@@ -222,8 +224,11 @@ def _gbs(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def timed(cfg: RooflineConfig, rng, points: dict[str, tuple[Callable, int]],
-          chained: frozenset[str] = frozenset()) -> dict:
+K = TypeVar("K", bound=Hashable)
+
+
+def timed(cfg: RooflineConfig, rng, points: dict[K, tuple[Callable[..., Any], int]],
+          chained: frozenset[K] = frozenset()) -> dict[K, tuple[timing.Measurement, int]]:
     """Calibrate K for each point (``points[key]`` is ``(launch, output bytes per launch)``),
     time them together, per-launch results. Keys in ``chained`` run as a chain of launches
     (``timing.chained``: two buffers live); the others as K independent launches, K capped so
@@ -243,7 +248,7 @@ def timed(cfg: RooflineConfig, rng, points: dict[str, tuple[Callable, int]],
     return {key: (timing.per_launch(measured[key], ks[key]), ks[key]) for key in points}
 
 
-def _row(m: timing.Measurement, k: int) -> dict:
+def _row(m: timing.Measurement, k: int) -> schema.LaunchTiming:
     return {"median_s": m.median_s, "cv": m.cv, "repeats": m.repeats, "launches": k,
             "eval_median_s": m.median_s * k}
 
@@ -254,9 +259,9 @@ def read_output_bytes(path: str, size: int) -> int:
     return kernels.GRID_THREADS * 4 if path == "metal" else size // kernels.READ_ROW
 
 
-def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list[dict]:
+def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list[schema.SizeRow]:
     """read, copy, triad at every size; each result verified before its time is kept."""
-    rows = []
+    rows: list[schema.SizeRow] = []
     for size in cfg.sizes:
         n = size // 4
         a = mx.random.uniform(shape=(n,))
@@ -269,7 +274,7 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
         # once and a cache-sized array stays cache-sized. Triad's scale 0.5 keeps values bounded.
         # A read moves its array and writes its partial sums, counted too: the Metal kernel's
         # 1 MiB of partials doubles what a 1 MiB read moves (negligible on the plateau).
-        ops = {
+        ops: dict[str, tuple[Callable[..., mx.array], int, int]] = {
             "read": ((lambda i, a=a: k.read(a)), read_out, size + read_out),
             "copy": ((lambda i, prev, a=a: k.copy(a if prev is None else prev)), size, 2 * size),
             "triad": ((lambda i, prev, a=a, b=b: k.triad(a, b if prev is None else prev, 0.5)), size, 3 * size),
@@ -297,10 +302,11 @@ def verify_stream(k: kernels.Kernels, a, b, s: float) -> None:
                   lambda lo, hi: kernels.triad_twin(a[lo:hi], b[lo:hi], s))
 
 
-def weight_copies(make: Callable[[], tuple], floor: int) -> list[tuple]:
+def weight_copies(make: Callable[..., tuple[mx.array, ...]], floor: int) -> list[tuple[mx.array, ...]]:
     """Copies of a weight, each ``make()`` (new random values, evaluated one at a time so only
     one float source lives), until they hold at least ``floor`` bytes in all."""
-    copies, total = [], 0
+    copies: list[tuple[mx.array, ...]] = []
+    total = 0
     while not copies or total < floor:
         arrays = tuple(make())
         mx.eval(*arrays)
@@ -309,13 +315,13 @@ def weight_copies(make: Callable[[], tuple], floor: int) -> list[tuple]:
     return copies
 
 
-def _stochastic(rows: int, cols: int, dtype):
+def _stochastic(rows: int, cols: int, dtype: mx.Dtype) -> mx.array:
     """A weight whose rows sum to about 1 (uniform in [0, 2/cols)): a chain of launches keeps
     its values near the input's scale, never overflowing nor decaying to denormals."""
     return mx.random.uniform(0.0, 2.0 / cols, (rows, cols), dtype=dtype)
 
 
-def _chain(launch: Callable, copies: list[tuple], first) -> Callable:
+def _chain(launch: Callable[..., mx.array], copies: list[tuple[mx.array, ...]], first: mx.array) -> Callable:
     """``timing.chained``'s step: launch ``launch(x, *copy)`` on the next copy in turn (the turn
     carries over between evaluations, so a short chain does not start on the copies the last
     one left cached), fed the previous output's first columns."""
@@ -329,21 +335,22 @@ def _chain(launch: Callable, copies: list[tuple], first) -> Callable:
     return step
 
 
-def _copies_row(copies: list[tuple]) -> dict:
+def _copies_row(copies: list[tuple[mx.array, ...]]) -> schema.GemvRow:
     one = sum(a.nbytes for a in copies[0])
     return {"bytes": one, "copies": len(copies), "distinct_bytes": one * len(copies)}
 
 
-def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[str, dict]:
+def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[str, schema.GemvRow]:
     """Weight-read bandwidth of x @ W.T for one token: what a decode step streams, timed as a
     chain of launches over distinct weight copies (``weight_copies``). Quantized weights are
     quantized from ``compute_dtype``, the dtype models run in, so scales, biases and the
     activation keep it (a float32 source would time the float32 kernel on a GPU)."""
-    out = {}
+    out: dict[str, schema.GemvRow] = {}
     rows, cols = gemv_shape(cfg.gemv_bytes)
     for label, dtype, bits in (("float32", mx.float32, None), ("float16", mx.float16, None),
                                ("q8", compute_dtype, 8), ("q4", compute_dtype, 4)):
         x = mx.random.uniform(0.5, 1.5, (1, cols), dtype=dtype)
+        launch: Callable[..., mx.array]
         if bits is None:
             copies = weight_copies(lambda dtype=dtype: (_stochastic(rows, cols, dtype),), cfg.distinct_bytes)
             launch = lambda x, w: x @ w.T  # noqa: E731
@@ -363,8 +370,8 @@ def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[st
     return out
 
 
-def matmul_flops(cfg: RooflineConfig, rng, progress) -> dict[str, dict]:
-    out = {}
+def matmul_flops(cfg: RooflineConfig, rng, progress) -> dict[str, schema.MatmulRow]:
+    out: dict[str, schema.MatmulRow] = {}
     n = cfg.matmul_n
     for name in cfg.dtypes:
         a = mx.random.normal((n, n), dtype=DTYPES[name])
@@ -376,7 +383,7 @@ def matmul_flops(cfg: RooflineConfig, rng, progress) -> dict[str, dict]:
     return out
 
 
-def fma_flops(k: kernels.Kernels, cfg: RooflineConfig, rng) -> dict | None:
+def fma_flops(k: kernels.Kernels, cfg: RooflineConfig, rng) -> schema.FmaRow | None:
     """FP32 FMA throughput from the Metal kernel (verified on a sample of threads)."""
     seed = mx.arange(kernels.GRID_THREADS, dtype=mx.float32) * 1e-6
     m_, k_ = 0.999, 1e-4
@@ -392,12 +399,12 @@ def fma_flops(k: kernels.Kernels, cfg: RooflineConfig, rng) -> dict | None:
     return {**_row(m, launches), "tflops": flop / m.median_s / 1e12}
 
 
-def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[dict]:
+def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[schema.QmmRow]:
     """Quantized matmul time against tokens t: flat while weight-bound, linear once compute-bound.
     Each point is a chain of launches over distinct weight copies (``weight_copies``), quantized
     from ``dtype`` (the models' dtype), so the input is not promoted."""
     rows_out, cols = cfg.qmm_shape
-    rows = []
+    rows: list[schema.QmmRow] = []
     for bits in (4, 8):
         copies = weight_copies(lambda bits=bits: mx.quantize(
             _stochastic(rows_out, cols, dtype), group_size=64, bits=bits), cfg.distinct_bytes)
@@ -436,24 +443,24 @@ def knee_tokens(tokens: list[int], seconds: list[float]) -> float | None:
     return float(seconds[0] / slope)
 
 
-def _plateau(rows: list[dict], op: str, plateau_from: int) -> float:
+def _plateau(rows: list[schema.SizeRow], op: str, plateau_from: int) -> float:
     big = [r["gbs"] for r in rows if r["op"] == op and r["bytes"] >= plateau_from]
     if not big:
         big = [max((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])["gbs"]]
     return float(np.median(big))
 
 
-def ceiling_of(bandwidth: dict[str, float], gemv: dict[str, dict], plateau_from: int) -> str:
+def ceiling_of(bandwidth: dict[str, float], gemv: dict[str, schema.GemvRow], plateau_from: int) -> str:
     """Which bandwidth is the ceiling: the largest of the rows that streamed past the caches,
     the STREAM plateaus and the GEMV rows whose weight copies add up to ``plateau_from``."""
     past = {k: v for k, v in bandwidth.items()
             if not k.startswith("gemv_") or gemv[k.removeprefix("gemv_")]["distinct_bytes"] >= plateau_from}
-    return max(past, key=past.get)
+    return max(past, key=past.__getitem__)
 
 
 def run_roofline(
-    cfg: RooflineConfig, spec: dict | None, backend: str, progress=lambda label: None, seed: int = 0,
-    usable_bytes: int | None = None, shrunk: dict | None = None,
+    cfg: RooflineConfig, spec: schema.ChipSpec | None, backend: str, progress=lambda label: None, seed: int = 0,
+    usable_bytes: int | None = None, shrunk: schema.Shrunk | None = None,
 ) -> schema.Roofline:
     """Measure everything and return the roofline document of docs/design.md §7.4; its memory
     entry is the estimate beside the measured peak (``memory.record``) and the wired limit, and
@@ -483,7 +490,7 @@ def run_roofline(
     for bits in (4, 8):
         rows = [r for r in curve if r["bits"] == bits]
         knees[str(bits)] = knee_tokens([r["tokens"] for r in rows], [r["median_s"] for r in rows])
-    document = {
+    document: schema.Roofline = {
         "backend": backend,
         "kernels": k.describe(),
         "compute_dtype": main_dtype,
@@ -510,10 +517,12 @@ def run_roofline(
     return document
 
 
-def _against_spec(spec: dict | None, bandwidth_gbs: float, fp32_tflops: float | None) -> dict | None:
+def _against_spec(spec: schema.ChipSpec | None, bandwidth_gbs: float,
+                  fp32_tflops: float | None) -> schema.FractionOfSpec | None:
     if not spec:
         return None
-    out = {"bandwidth": bandwidth_gbs * 1e9 / spec["bandwidth_bytes_s"]}
-    if spec.get("fp32_flops") and fp32_tflops:
-        out["fp32_flops"] = fp32_tflops * 1e12 / spec["fp32_flops"]
+    out: schema.FractionOfSpec = {"bandwidth": bandwidth_gbs * 1e9 / spec["bandwidth_bytes_s"]}
+    spec_flops = spec.get("fp32_flops")
+    if spec_flops and fp32_tflops:
+        out["fp32_flops"] = fp32_tflops * 1e12 / spec_flops
     return out

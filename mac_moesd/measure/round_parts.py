@@ -35,6 +35,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -80,13 +81,15 @@ class RoundParts:
             points.update({VERIFY_AT.format(tokens): forward_point(target, target_cache, self.batch, tokens, self.vocab)
                            for tokens in range(2, self.gamma + 1)})
         else:
+            assert draft_cache is not None  # a drafter model has its caches
             points["draft"] = pipelined_point(draft, draft_cache, self.batch, 1, self.vocab, steps=self.gamma)
         if self.with_reject:
             points["reject"] = reject_point(self.batch, self.gamma, self.vocab)
         if emit is not None:
             points["bookkeeping"] = (mlx_lm_bookkeeping(self.gamma, self.vocab) if self.mlx_lm else
                                      bookkeeping_point(self.batch, self.gamma, self.vocab, self.mode, emit))
-        timers = {name: (lambda point=point: timing.finite_time(point)) for name, point in points.items()}
+        timers: dict[str, Callable[[], float]] = {name: partial(timing.finite_time, point)
+                                                  for name, point in points.items()}
         if self._verify_keeps_states is None:
             self._verify_keeps_states = Rollback(target, target_cache.cache, self.rollback).recurrent_way == "per-position"
         if self._verify_keeps_states:
@@ -144,7 +147,10 @@ def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: Ro
     to the prompt after it. ``draft`` None (prompt lookup): the target's alone."""
     kept = mx.random.randint(0, vocab, (batch, gamma // 2 + 1))
     verified = mx.concatenate([kept, mx.random.randint(0, vocab, (batch, gamma + 1 - kept.shape[1]))], axis=1)
-    models = [(target, target_cache, gamma + 1)] + ([] if draft is None else [(draft, draft_cache, gamma)])
+    models = [(target, target_cache, gamma + 1)]
+    if draft is not None:
+        assert draft_cache is not None  # a drafter model has its caches
+        models.append((draft, draft_cache, gamma))
     rollbacks = [(Rollback(model, cache.cache, strategy), forwarded) for model, cache, forwarded in models]
 
     def states() -> list:
@@ -153,9 +159,9 @@ def rollback_timer(target, draft, target_cache: RolledBackCache, draft_cache: Ro
     def sample() -> float:
         for rollback, _ in rollbacks:
             rollback.mark()
-        if draft is not None:
-            for position in range(gamma):
-                draft(verified[:, position : position + 1], cache=draft_cache.cache)
+        for model, cache, forwarded in models[1:]:  # the drafter's steps
+            for position in range(forwarded):
+                model(verified[:, position : position + 1], cache=cache.cache)
         target(verified, cache=target_cache.cache)
         mx.eval(states())
         start = time.perf_counter()

@@ -80,7 +80,8 @@ def _controlled_class(cls: type, always_sort: bool) -> type:
 
 def switch_modules(model: nn.Module) -> list[nn.Module]:
     """The routed-expert modules in layer order; empty for a dense model."""
-    switches, seen = [], set()
+    switches: list[nn.Module] = []
+    seen = set()
     for _, module in model.named_modules():
         if isinstance(module, SWITCH_TYPES) and id(module) not in seen:
             seen.add(id(module))
@@ -216,16 +217,16 @@ def count_windows(indices: np.ndarray, batch: int, tokens: int) -> Window:
     (groups of ``batch`` sequences, non-overlapping spans of ``tokens``).
     """
     layers, sequences, length, _ = indices.shape
-    counts = []
+    counts: list[int] = []
     for first in range(0, sequences - batch + 1, batch):
         for start in range(0, length - tokens + 1, tokens):
             window = indices[:, first : first + batch, start : start + tokens, :]
             counts.extend(len(np.unique(window[layer])) for layer in range(layers))
     if not counts:
         raise BadInput(f"no window of B={batch} x t={tokens} fits {sequences} sequences of {length}")
-    counts = np.asarray(counts, dtype=float)
-    return Window(batch, tokens, float(counts.mean()), float(counts.std(ddof=1)) if len(counts) > 1 else 0.0,
-                  len(counts) // layers)
+    values = np.asarray(counts, dtype=float)
+    return Window(batch, tokens, float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+                  len(values) // layers)
 
 
 def routing_document(
@@ -236,13 +237,13 @@ def routing_document(
     tokens: tuple[int, ...],
     tau: float,
     gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS,
-) -> dict:
+) -> schema.RoutingDocument:
     windows = [count_windows(indices, b, t) for b in batches for t in tokens]
     return analyse_windows(windows, experts, top_k, tau, gammas)
 
 
 def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
-                    gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS) -> dict:
+                    gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS) -> schema.RoutingDocument:
     """Correlations, thresholds and verify-window saturation from counted windows (measured or
     stored in a results file)."""
     rho = theory.sparsity(experts, top_k)
@@ -251,7 +252,7 @@ def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
     form = expert_reads.fit_routing({(w.batch, w.tokens): w.measured_unique for w in windows},
                                     experts, top_k).form_only()
     correlation, batch_correlation = form.correlation, form.batch_correlation
-    rows = []
+    rows: list[schema.RoutingWindow] = []
     for w in windows:
         n = w.batch * w.tokens
         rows.append({
@@ -263,7 +264,7 @@ def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
     # predicted with both anchored forms: B independent sequences act like 1 + c_batch*(B-1)
     # uniform ones, each sequence's gamma+1 consecutive tokens like 1 + c*gamma uniform ones.
     measured = {(w.batch, w.tokens): w.measured_unique for w in windows}
-    saturation = []
+    saturation: list[schema.Saturation] = []
     for b in batches:
         for g in gammas:
             if (b, g + 1) in measured:
@@ -371,7 +372,7 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.Routi
         lambda n: _fits(build(n), sequences, cfg.length, available_bytes))
     built = build(layers)
     need = memory.routing_estimate(built, sequences, cfg.length)
-    if not _fits(built, sequences, cfg.length, available_bytes):
+    if available_bytes is not None and not _fits(built, sequences, cfg.length, available_bytes):
         raise MacMoesdError(
             f"{source.name} with {built.layers} layers needs about {human_bytes(need['peak_bytes'])}; "
             f"{human_bytes(available_bytes)} is usable here: route a slice with --layers or --bits 4"

@@ -58,6 +58,7 @@ class RoutingMode:
     def key(self) -> str:
         """As a results key names it: a trace by file name and content digest."""
         if self.kind == "trace":
+            assert self.trace is not None and self.trace_path is not None  # parse_routing sets both
             return f"trace:{self.trace_path.name}@{self.trace.digest}"
         return self.label
 
@@ -95,15 +96,16 @@ def check_against_model(mode: RoutingMode, gather: str, shape: tuple[int, int] |
         if asked:
             raise BadInput(f"{' and '.join(asked)} need an MoE model; {name} is dense")
         return
-    trace = mode.trace
+    trace, path = mode.trace, mode.trace_path
     if trace is None:
         return
+    assert path is not None  # parse_routing sets both
     if (trace.experts, trace.top_k) != shape:
-        raise BadInput(f"trace {mode.trace_path.name} has E={trace.experts}, K={trace.top_k} "
+        raise BadInput(f"trace {path.name} has E={trace.experts}, K={trace.top_k} "
                        f"({trace.model}); {name} has E={shape[0]}, K={shape[1]}")
     batch, window = max(batches), max(tokens)  # the largest batch at the longest window needs most
     if batch > trace_capacity(trace, window):
-        raise BadInput(f"trace {mode.trace_path.name} holds {trace.sequences} sequences of {trace.length} "
+        raise BadInput(f"trace {path.name} holds {trace.sequences} sequences of {trace.length} "
                        f"tokens ({trace_capacity(trace, window)} disjoint windows of {window}); this grid "
                        f"needs {batch} of {window}")
 
@@ -218,9 +220,13 @@ class SweepRouting:
         if self.mode.kind == "uniform":
             return [uniform_indices(rng, batch, tokens, self.experts, self.top_k) for _ in range(layers)]
         if self.mode.kind == "correlated":
-            return [correlated_indices(rng, batch, tokens, self.experts, self.top_k, self.mode.correlation)
+            correlation = self.mode.correlation
+            assert correlation is not None  # parse_routing sets it
+            return [correlated_indices(rng, batch, tokens, self.experts, self.top_k, correlation)
                     for _ in range(layers)]
-        return [trace_window(self.mode.trace, layer, batch, tokens) for layer in range(layers)]
+        trace = self.mode.trace
+        assert trace is not None  # the remaining forced kind
+        return [trace_window(trace, layer, batch, tokens) for layer in range(layers)]
 
     def prepare(self, batch: int, tokens: int, forward: Callable[[], object],
                 rollback: Callable[[], None]) -> dict:
@@ -251,10 +257,12 @@ class SweepRouting:
         forced = self.prepared[(batch, tokens)]
         if forced is None:
             return forward()
-        for control, indices in zip(self.controls, forced):
+        controls = self.controls
+        assert controls is not None  # a forced mode runs its points inside installed()
+        for control, indices in zip(controls, forced):
             control.forced = indices
         try:
             return forward()
         finally:
-            for control in self.controls:
+            for control in controls:
                 control.forced = None

@@ -182,10 +182,10 @@ def _by_position(a: tuple[int, ...] | None, b: tuple[int, ...] | None, sign: int
     """``a`` plus (or minus) ``b`` position by position, the shorter padded with zeros."""
     if not a and not b:
         return None
-    a, b = list(a or ()), list(b or ())
-    n = max(len(a), len(b))
-    a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
-    return tuple(x + sign * y for x, y in zip(a, b))
+    xs, ys = list(a or ()), list(b or ())
+    n = max(len(xs), len(ys))
+    xs, ys = xs + [0] * (n - len(xs)), ys + [0] * (n - len(ys))
+    return tuple(x + sign * y for x, y in zip(xs, ys))
 
 
 def _record(counts: Counts) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -57,7 +58,7 @@ def check_kernel(name: str, k: kernels.Kernels | None = None) -> str:
     a, b = _inputs()
     if name == "read":
         total = np.asarray(k.read(a), dtype=np.float64).sum()
-        kernels.check("read", [total], [kernels.exact_sum(a)], rtol=1e-5)
+        kernels.check("read", np.array([total]), np.array([kernels.exact_sum(a)]), rtol=1e-5)
     elif name == "copy":
         kernels.check("copy", k.copy(a), a, rtol=0.0)
     elif name == "triad":
@@ -160,7 +161,7 @@ def check_mlx_lm() -> str:
 
 
 CHECKS: dict[str, Callable[[kernels.Kernels], str]] = {
-    **{f"kernel {name}": (lambda k, name=name: check_kernel(name, k)) for name in kernels.NAMES},
+    **{f"kernel {name}": partial(check_kernel, name) for name in kernels.NAMES},
     "K-launch timing is linear": lambda k: check_launch_scaling(k),
     "memory guard": lambda k: check_memory_guard(),
     "results round trip": lambda k: check_results_roundtrip(),

@@ -135,7 +135,8 @@ def cpu_servable(folder: Path, copies: Path) -> tuple[Path, dict]:
             if file.is_file() and not file.name.startswith("model") and file.suffix != ".safetensors":
                 shutil.copy(file, dest / file.name)
         for file in folder.glob("model*.safetensors"):
-            weights = mx.load(str(file))
+            # a .safetensors file loads as a dict; mlx's stub has no overload by format
+            weights: dict[str, mx.array] = mx.load(str(file))  # type: ignore[assignment]
             mx.save_safetensors(str(dest / file.name),
                                 {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
                                  for k, v in weights.items()}, metadata={"format": "mlx"})
@@ -313,6 +314,7 @@ class LaunchedServer:
     def wait_ready(self) -> None:
         """Until /health answers and a one-token completion returns, or the timeout; a server
         that exits or reports its model thread dead fails at once."""
+        assert self.proc is not None, "wait_ready runs after start"
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         with httpx.Client(base_url=self.url, timeout=1.0) as client:
             while True:

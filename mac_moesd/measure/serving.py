@@ -159,15 +159,15 @@ async def _leg(cfg: LegConfig) -> tuple[list[RequestRecord], dict]:
         await asyncio.sleep(max(window[0] - clock(), 0.0))
         cpu0, wall0 = time.process_time(), clock()
         await asyncio.sleep(max(window[1] - clock(), 0.0))
-        cpu = {"cpu_s": time.process_time() - cpu0, "wall_s": clock() - wall0}
+        cpu_s, wall_s = time.process_time() - cpu0, clock() - wall0
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     for r in records:
         if r.error is None and r.finish_reason is None and (r.end is None or r.end >= window[1]):
             r.cut = True
-    cpu["share_of_one_core"] = cpu["cpu_s"] / cpu["wall_s"] if cpu["wall_s"] > 0 else None
-    cpu["request_cap_reached"] = len(records) >= MAX_REQUESTS
+    cpu = {"cpu_s": cpu_s, "wall_s": wall_s, "share_of_one_core": cpu_s / wall_s if wall_s > 0 else None,
+           "request_cap_reached": len(records) >= MAX_REQUESTS}
     return records, cpu
 
 
@@ -210,14 +210,18 @@ def leg_document(cfg: LegConfig, records: list[RequestRecord], cpu: dict, server
     failed = [r for r in records if r.error is not None and r.end is not None and lo <= r.end <= hi]
     errors: dict[str, int] = {}
     for r in failed:
+        assert r.error is not None  # failed: those with an error
         errors[r.error] = errors.get(r.error, 0) + 1
     itl = [(b - a) / r.weight for r in finished for a, b in zip(r.chunks, r.chunks[1:])]
-    rates = [(r.tokens - 1) / (r.end - r.first) for r in finished if r.tokens >= 2 and r.end > r.first]
-    generating = [(r.first, hi if r.cut else r.end) for r in records if r.first is not None and r.error is None]
+    rates = [(r.tokens - 1) / (r.end - r.first) for r in finished
+             if r.tokens >= 2 and r.end is not None and r.first is not None and r.end > r.first]
+    # a request with no end is still generating when the window closes (as ``cut`` counts it)
+    generating = [(r.first, hi if r.cut or r.end is None else r.end)
+                  for r in records if r.first is not None and r.error is None]
     attempts = len(finished) + len(failed)
     share = len(failed) / attempts if attempts else None
     status, why = "ok", None
-    if attempts == 0:
+    if share is None:
         status, why = "failed", "no request finished inside the window"
     elif share > FAILED_SHARE:
         status, why = "failed", f"{share:.0%} of requests failed (over {FAILED_SHARE:.0%})"

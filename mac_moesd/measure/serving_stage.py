@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, NoReturn
 
 import httpx
 
@@ -20,7 +20,7 @@ from mac_moesd.analysis import serving_prediction as prediction
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
 from mac_moesd.measure import sd_counters, server_process, serving
-from mac_moesd.results import ResultsStore, keys, load_results, schema
+from mac_moesd.results import ResultsStore, keys, load_results
 
 __all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "run_serving", "validate"]
 
@@ -140,7 +140,7 @@ def predictions(doc: dict, data: dict, source: str) -> tuple[list[dict], str | N
     """The predicted lines of a serving document from the fit and acceptance in ``data``."""
     target, draft = doc.get("target_name"), doc.get("draft_name")
     fit_doc = data.get("fits", {}).get(target) if target else None
-    if fit_doc is None:
+    if not target or fit_doc is None:
         return [], (f"no fit of {target} in {source}: run `mac-moesd run --target ... --draft ...` (or sweep "
                     "--draft and fit) into the same --out, or give --fit" if target else
                     "no TARGET named, so no fit to predict with")
@@ -157,12 +157,14 @@ def predictions(doc: dict, data: dict, source: str) -> tuple[list[dict], str | N
                 {"drafted": sum(c["drafted"] for c in counters), "accepted": sum(c["accepted"] for c in counters)},
                 doc["gamma"])
             where = "the server's draft counters"
-        if alpha is None:
+        if alpha is None and draft:
             key = keys.spec_key(target, draft, "real", prompts)
             alpha = prediction.acceptance_from_spec(data.get("spec", {}).get(key))
             where = (f"the suite's acceptance pass ({key}, temperature 0, in {source})" if alpha is not None else
                      f"no acceptance pass of {target} with {draft} on {prompts} in {source}: run `mac-moesd spec "
                      f"TARGET --draft DRAFT --mode real --prompts {prompts}`")
+        elif alpha is None:
+            where = "no DRAFT named, so no acceptance pass to look up"
         for row in prediction.predicted_rows(fit_doc, tuple(doc["concurrency"]), doc.get("gamma") or 3,
                                              prompt_tokens, doc["tokens"], alpha, where):
             rows.append({"prompts": prompts, **row})
@@ -203,7 +205,7 @@ def prompt_set_label(prompt_set) -> str:
 
 
 def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
-                progress: Callable[[str], None] = lambda label: None) -> schema.ServingDocument:
+                progress: Callable[[str], None] = lambda label: None) -> dict[str, Any]:
     """Measure every leg into ``store`` (section ``serving``) and return the serving document."""
     validate(cfg)
     folder = store.path.parent
@@ -220,11 +222,13 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
         target_name = models.resolve(cfg.target).name
         draft_name = models.resolve(cfg.draft).name if cfg.draft else None
     if not cfg.urls:
+        assert cfg.target is not None  # launching servers needs a target (validate)
         target_folder = server_process.served_folder(cfg.target)
         draft_folder = server_process.served_folder(cfg.draft) if cfg.draft else None
     prefix, counted = shared_prefix_text(cfg.shared_prefix, target_folder) if cfg.shared_prefix else ("", None)
     # Running servers answer before anything is written: a wrong --url leaves the results as they were.
     probed = [_probe(name, url, cfg.served_model) for name, url in cfg.urls]
+    doc: dict[str, Any]
     doc = {"target": cfg.target, "draft": cfg.draft, "target_name": target_name, "draft_name": draft_name,
            "gamma": cfg.gamma if cfg.draft or cfg.urls else None, "tokens": cfg.tokens,
            "prompts": [prompt_set_label(p) for p in prompt_sets], "concurrency": list(cfg.concurrency),
@@ -340,16 +344,16 @@ def _launched_legs(cfg: ServingConfig, doc: dict, folder: Path, backend: str, ta
 
 # ---- the stage of `mac-moesd run --serving` ----
 
-QUICK = {"concurrency": (1, 4, 16), "tokens": 64, "window_s": 10.0, "warmup_s": 3.0}
+QUICK = ServingConfig(concurrency=(1, 4, 16), tokens=64, window_s=10.0, warmup_s=3.0)
 SERVER_START_S = 15.0  # launching a server and loading a small model, before weights are read
 
 
 def stage_config(quick: bool) -> ServingConfig:
     """The serving stage of a pair run (target, drafter and prompt sets filled in by the run)."""
-    return ServingConfig(**QUICK) if quick else ServingConfig()
+    return QUICK if quick else ServingConfig()
 
 
-def random_weights_stage() -> None:
+def random_weights_stage() -> NoReturn:
     """The serving stage of a run on the zoo's random-weight models: always skipped, with why."""
     raise MacMoesdError(RANDOM_WEIGHTS)
 

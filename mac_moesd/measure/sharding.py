@@ -21,6 +21,7 @@ B*t*K pairs, not about B*t*K/n. Every split is of the lazy model: nothing is all
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,12 +38,20 @@ SWITCHES = (SwitchGLU, SwitchMLP)
 HEADS = ("n_heads", "num_heads", "num_attention_heads")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 
+if TYPE_CHECKING:
+    _Switch = SwitchGLU  # what ExpertSlice is mixed into (SwitchMLP's call is the same)
+else:
+    _Switch = object
 
-class ExpertSlice:
+
+class ExpertSlice(_Switch):
     """Mixed into a SwitchGLU/SwitchMLP that holds a rank's experts ``_first .. _first+_count-1``.
     It still takes global expert indices, so what wraps a switch (routing capture and forcing,
     ``routing.controlled_switches``) sees the model's own; pairs routed to its experts run on
     them, the others on local expert 0, zeroed (static shapes)."""
+
+    _first: int
+    _count: int
 
     def __call__(self, x: mx.array, indices: mx.array, *args, **kwargs) -> mx.array:
         local = indices - self._first

@@ -34,7 +34,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -138,7 +138,9 @@ class PromptIds:
 
     def batch(self, index: int, batch: int) -> list[list[int]]:
         """Prompts index*batch .. index*batch+batch-1 of the set, cycling."""
-        return [self.ids[(index * batch + k) % len(self.ids)] for k in range(batch)]
+        ids = self.ids
+        assert ids is not None, "random ids are not a prompt set"
+        return [ids[(index * batch + k) % len(ids)] for k in range(batch)]
 
 
 def prompt_ids(cfg: SpecConfig, target_source, draft_source) -> PromptIds:
@@ -221,7 +223,8 @@ def pair_speedup(plain: Decoded, plain_s: float, spec: Decoded, spec_s: float) -
 
 
 def paired(plain, speculative, prepare, precision: Precision,
-           between: Callable[[int], None] | None = None) -> tuple[list[float], list[float], list, list]:
+           between: Callable[[int], None] | None = None
+           ) -> tuple[list[float], list[float], list[Decoded], list[Decoded]]:
     """Alternate plain and speculative runs (after one warm-up of each, which compiles every
     shape), so drift and background load hit both alike, until ``precision`` says there are
     enough pairs. ``prepare(i)`` readies pair i (its prompt, caches back to the prefill) outside
@@ -237,7 +240,11 @@ def paired(plain, speculative, prepare, precision: Precision,
     plain()
     ready(0)
     speculative()
-    plain_times, spec_times, plain_out, spec_out, speedups = [], [], [], [], []
+    plain_times: list[float] = []
+    spec_times: list[float] = []
+    plain_out: list[Decoded] = []
+    spec_out: list[Decoded] = []
+    speedups: list[float] = []
     i = 0
     while not precision.enough(speedups, time.perf_counter() - started):
         ready(i)
@@ -297,7 +304,8 @@ class Decoders:
         self.random_tokens = vocab if random_tokens else None
         self.random_prompt = (None if prompts.ids is not None
                               else mx.array(rng.integers(0, vocab, (batch, context + 1))))
-        self.index, self.current = None, None
+        self.index: int | None = None
+        self.current: Decoder | None = None
 
     def prepare(self, index: int | None) -> None:
         if index is None:  # done with this configuration
@@ -314,7 +322,7 @@ class Decoders:
 
     def prompt(self, index: int) -> mx.array:
         """Pair ``index``'s prompt (batch, n): the caches hold its first n-1 tokens."""
-        return (self.random_prompt if self.prompts.ids is None
+        return (self.random_prompt if self.random_prompt is not None
                 else common_prompt(self.prompts.batch(index, self.batch)))
 
     def mlx_lm_can_run(self, new_tokens: int, gamma: int) -> bool:
@@ -323,20 +331,29 @@ class Decoders:
         which mlx-lm does not have."""
         if self.lookup is not None:
             return False
-        longest = (self.random_prompt.shape[1] if self.prompts.ids is None
-                   else max(map(len, self.prompts.ids)))
+        longest = self.prompt(0).shape[1] if self.prompts.ids is None else max(map(len, self.prompts.ids))
         self.prepare(0)
-        caches = self.current.target_cache + self.current.draft_cache
+        caches = self.decoder.target_cache + self.decoder.draft_cache
         return rollbacks.mlx_lm_can_roll_back(caches, longest + new_tokens + gamma + 1)
 
     def greedy_margin(self, plain_out: list[Decoded]):
         """``greedy_check``'s ``margin_of`` for pairs decoded from ``prompt(i)``."""
-        return lambda i, row, at: logit_margin(self.target, self.prompt(i)[row], plain_out[i].outputs[row], at,
-                                                  self.vocab)
+        def margin(i: int, row: int, at: int) -> tuple[float, bool]:
+            decoded = plain_out[i].outputs
+            assert decoded is not None
+            return logit_margin(self.target, self.prompt(i)[row], decoded[row], at, self.vocab)
+
+        return margin
+
+    @property
+    def decoder(self) -> Decoder:
+        """The decoder ``prepare`` readied."""
+        assert self.current is not None, "no decoder prepared"
+        return self.current
 
     @property
     def context(self) -> int:
-        return self.current.context
+        return self.decoder.context
 
     def parts_timer(self, parts: RoundParts | None, temperature: float = 0.0) -> Callable[[int], None] | None:
         """``paired``'s ``between``: one sample of each of the round's parts on the current
@@ -345,9 +362,9 @@ class Decoders:
         if parts is None:
             return None
         order = random.Random(0)
-        return lambda index: parts.time(self.target, self.draft, self.current.target_rolled,
-                                        self.current.draft_rolled, order,
-                                        lambda logits: self.current.emit(logits, temperature))
+        return lambda index: parts.time(self.target, self.draft, self.decoder.target_rolled,
+                                        self.decoder.draft_rolled, order,
+                                        lambda logits: self.decoder.emit(logits, temperature))
 
 
 def shared_sampler(temperature: float, vocab: int | None):
@@ -380,13 +397,13 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
             contexts.append(decoders.context)
 
     def plain():
-        d = decoders.current
+        d = decoders.decoder
         tokens = [t for t, _ in generate_step(d.pending[0], d.target, max_tokens=new_tokens,
                                               sampler=sampler, prompt_cache=d.target_cache)]
         return Decoded(new_tokens, outputs=np.array([tokens]))
 
     def spec():
-        return mlx_lm_speculative(decoders.current, gamma, new_tokens, sampler)
+        return mlx_lm_speculative(decoders.decoder, gamma, new_tokens, sampler)
 
     plain_times, spec_times, plain_out, spec_out = paired(plain, spec, prepare, precision,
                                                           decoders.parts_timer(parts, temperature))
@@ -407,8 +424,8 @@ def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | Non
             contexts.append(decoders.context)
 
     plain_times, spec_times, plain_out, spec_out = paired(
-        lambda: decoders.current.plain(cfg.new_tokens, temperature),
-        lambda: decoders.current.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=rng),
+        lambda: decoders.decoder.plain(cfg.new_tokens, temperature),
+        lambda: decoders.decoder.speculative(cfg.new_tokens, gamma, cfg.mode, alpha, temperature, rng=rng),
         prepare, Precision.of(cfg), decoders.parts_timer(parts, temperature))
     row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, Precision.of(cfg))
     row["plain_step_s"] = statistics.median(plain_times) / cfg.new_tokens
@@ -451,6 +468,7 @@ def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None 
 
     layers = zoo.largest_slice(full, unit, fits)
     if not fits(layers):
+        assert available_bytes is not None  # fits() passes any slice without a limit
         raise MacMoesdError(
             f"SD of {target_src.name} needs about {human_bytes(at(layers)[2]['peak_bytes'])} even with "
             f"{'one layer' if layers == 1 else f'{layers} layers (its smallest slice)'}; "
@@ -472,19 +490,21 @@ def acceptance_fields(per_round: list[int], gamma: int, proposed: list[int] | No
             "rounds": measured["rounds"]}
 
 
-def rules_worth(entry: dict, row: dict, predictor, batch: int, context: float) -> dict:
+def rules_worth(entry: dict, row: Mapping[str, Any], predictor, batch: int, context: float) -> schema.Rules:
     """What exact rejection sampling would change against mlx-lm's rule for a timed run at
     temperature > 0: each rule's expected alpha and sigma on the prompt set, the predicted
     speedup under each, and the measured speedup scaled by their ratio of tokens per round
     (the cost per round is the same; rejection sampling's own step is not counted)."""
-    out = {"ratio_tokens_per_round": entry["rejection_over_mlx_lm"],
-           "projected_speedup_rejection": row["measured_speedup"] * entry["rejection_over_mlx_lm"]}
-    for rule, stats in entry["rules"].items():
+    def worth(stats: dict) -> schema.RuleStats:
         predicted = (predictor(batch, entry["gamma"], stats["alpha"], False, context)
                      if predictor else None)
-        out[rule] = {"alpha": stats["alpha"], "sigma": stats["sigma"],
-                     "mean_accepted": stats["mean_accepted"], "predicted_speedup": predicted}
-    return out
+        return {"alpha": stats["alpha"], "sigma": stats["sigma"],
+                "mean_accepted": stats["mean_accepted"], "predicted_speedup": predicted}
+
+    rules = entry["rules"]  # acceptance.RULES
+    return {"ratio_tokens_per_round": entry["rejection_over_mlx_lm"],
+            "projected_speedup_rejection": row["measured_speedup"] * entry["rejection_over_mlx_lm"],
+            "mlx-lm": worth(rules["mlx-lm"]), "rejection": worth(rules["rejection"])}
 
 
 def recommended_gamma(predictor, batch: int, alpha: float | None, context: float) -> int | None:
@@ -496,8 +516,8 @@ def recommended_gamma(predictor, batch: int, alpha: float | None, context: float
     return None if best is None else best[0]
 
 
-def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: float | None,
-                decoding: float, self_draft: bool, timed_drafter: bool = False) -> dict:
+def predictions(run: Mapping[str, Any], parts: RoundParts, predictor, sweep_step, realised: float | None,
+                decoding: float, self_draft: bool, timed_drafter: bool = False) -> schema.SpecRun:
     """A run's predicted speedup from this stage's own forwards (``measured``) and from the
     fitted model (``model``); ``predicted_speedup`` is the first that exists, ``predicted_from``
     says which. ``plain_vs_sweep``: the stage's plain step over the sweep's pipelined T_T(B,1).
@@ -505,7 +525,8 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     and rejection sampling as this stage timed them (a fit without a drafter has none), the rest
     of the round as fitted."""
     medians, loop = (parts.medians() if parts.samples else {}), feeds_last_draft(run)
-    measured = (round_prediction(medians, run["plain_step_s"], realised, run["gamma"], run["batch"], catch_up=loop)
+    measured = (round_prediction(medians, run["plain_step_s"], realised, run["gamma"], run["batch"],
+                                 catch_up=bool(loop))
                 if realised is not None and medians else None)
     step = ({"draft_step": medians["draft"] / run["gamma"], "reject": medians.get("reject")}
             if timed_drafter and medians else {})
@@ -514,39 +535,45 @@ def predictions(run: dict, parts: RoundParts, predictor, sweep_step, realised: f
     return _prediction_record(run, parts, measured, model, predictor, sweep_step)
 
 
-def _prediction_record(run: dict, parts: RoundParts, measured: dict | None, model: float | None,
-                       predictor, sweep_step) -> dict:
+def _prediction_record(run: Mapping[str, Any], parts: RoundParts, measured: dict | None, model: float | None,
+                       predictor, sweep_step) -> schema.SpecRun:
     """``predictions``' fields from the timed parts' account of the round and the model's S,
     which names the fit it came from (``fit.FitPredictor.fitted_at``) so that a reader can tell
     it from a later fit's."""
-    by = {"measured": measured["speedup"] if measured else None, "model": model,
-          "fit": getattr(predictor, "fitted_at", None) if model is not None else None}
+    by: schema.PredictedBy = {"measured": measured["speedup"] if measured else None, "model": model,
+                              "fit": getattr(predictor, "fitted_at", None) if model is not None else None}
     swept = sweep_step(run["batch"]) if sweep_step else None
     return {"predicted_speedup": by["measured"] if by["measured"] is not None else model,
             "predicted_from": "measured" if by["measured"] is not None else ("model" if model else None),
             "predicted_by": by,
-            "round": measured and {**parts.to_dict(), **measured, "measured_s": measured_round_s(run)},
+            "round": {**parts.to_dict(), **measured, "measured_s": measured_round_s(run)} if measured else None,
             "plain_vs_sweep": run["plain_step_s"] / swept if swept else None}
 
 
-def lookup_record(rule: LookupRule, decodes: list[Decoded]) -> dict:
+def _lookup_rounds(d: Decoded) -> tuple[list[int], list[int]]:
+    """A prompt-lookup decode's ``proposed`` and ``widths`` (which every such decode records)."""
+    assert d.proposed is not None and d.widths is not None, "not a prompt-lookup decode"
+    return d.proposed, d.widths
+
+
+def lookup_record(rule: LookupRule, decodes: list[Decoded]) -> schema.LookupRecord:
     """What prompt lookup proposed over a run's timed SD decodes: the n-gram lengths, the share of
     (sequence, round)s with a proposal, the mean proposal where there was one, the mean verify
     width (the batch's longest proposal) and the share of rounds that rolled back."""
-    proposed = np.array([n for d in decodes for n in d.proposed])
-    widths = [w for d in decodes for w in d.widths]
+    proposed = np.array([n for d in decodes for n in _lookup_rounds(d)[0]])
+    widths = [w for d in decodes for w in _lookup_rounds(d)[1]]
     return {**rule.to_dict(), "proposal_rate": float((proposed > 0).mean()),
             "mean_proposal": float(proposed[proposed > 0].mean()) if (proposed > 0).any() else 0.0,
             "mean_width": float(np.mean(widths)),
             "rolled_back_share": sum(d.rounds_rolled_back for d in decodes) / len(widths)}
 
 
-def lookup_predictions(run: dict, parts: RoundParts, decodes: list[Decoded], predictor, sweep_step,
-                       decoding: float) -> dict:
+def lookup_predictions(run: Mapping[str, Any], parts: RoundParts, decodes: list[Decoded], predictor, sweep_step,
+                       decoding: float) -> schema.SpecRun:
     """``predictions`` for prompt-lookup rounds (``round_parts.lookup_prediction``), at the
     tokens per round, verify widths and rollbacks the run measured; the fitted model's from
     its T_T at each width with the lookup's timed host cost (``fit.lookup_predictor``)."""
-    widths = [w for d in decodes for w in d.widths]
+    widths = [w for d in decodes for w in _lookup_rounds(d)[1]]
     tokens_per_round = run["mean_accepted"] + 1
     parts.lookup_samples(decodes)
     rolled = run["lookup"]["rolled_back_share"]
@@ -556,7 +583,7 @@ def lookup_predictions(run: dict, parts: RoundParts, decodes: list[Decoded], pre
     return _prediction_record(run, parts, measured, model, predictor, sweep_step)
 
 
-def measured_round_s(run: dict) -> float | None:
+def measured_round_s(run: Mapping[str, Any]) -> float | None:
     """The round as measured end to end: the tokens a round gives every sequence (mean accepted
     + 1) over the SD tokens per second of one sequence; the figure the priced parts should sum to."""
     if run.get("mean_accepted") is None or not run.get("tokens_per_s_sd"):
@@ -572,7 +599,8 @@ def recommendations(cfg: SpecConfig, predictor, context: int, partial: dict) -> 
     if predictor is None or cfg.drafter_kind != "model":
         return set()
     if cfg.mode == "emulated-acceptance":
-        targets = [(t, a, a) for t in cfg.temperatures for a in cfg.alphas]
+        targets: list[tuple[float, float | None, float | None]] = [
+            (t, a, a) for t in cfg.temperatures for a in cfg.alphas]
     else:
         targets = [(row["temperature"], None, row["alpha"]) for row in measured_acceptance(partial)
                    if row["rule"] != "rejection"]
@@ -600,9 +628,9 @@ class ConfigurationTimer:
                         random_tokens=self.cfg.mode == "emulated-acceptance", rollback=self.cfg.rollback,
                         lookup=self.cfg.lookup_rule)
 
-    def grid(self, configurations: list[tuple]) -> list[dict]:
+    def grid(self, configurations: list[tuple]) -> list[schema.SpecRun]:
         """Every (batch, temperature, alpha, gamma) in order, one batch's decoders alive at a time."""
-        runs = []
+        runs: list[schema.SpecRun] = []
         for batch in dict.fromkeys(c[0] for c in configurations):
             decoders = self.decoders(batch)
             runs += [self.run(decoders, g, t, a) for b, t, a, g in configurations if b == batch]
@@ -610,7 +638,7 @@ class ConfigurationTimer:
             memory.release()
         return runs
 
-    def run(self, decoders: Decoders, gamma: int, temperature: float, alpha: float | None) -> dict:
+    def run(self, decoders: Decoders, gamma: int, temperature: float, alpha: float | None) -> schema.SpecRun:
         cfg, batch = self.cfg, decoders.batch
         mx.random.seed(cfg.seed)  # the same samples for every configuration
         mlx_lm = (batch == 1 and cfg.mode == "real" and cfg.rollback == "auto"
@@ -626,12 +654,12 @@ class ConfigurationTimer:
                 row["engine"] = LOOP_FOR_LOOKUP if decoders.lookup else LOOP_FOR_MLX_LM
         lookup = decoders.lookup is not None
         measured = acceptance_fields([n for d in spec_out for n in d.per_round], gamma,
-                                     [n for d in spec_out for n in d.proposed] if lookup else None)
+                                     [n for d in spec_out for n in _lookup_rounds(d)[0]] if lookup else None)
         effective = alpha if alpha is not None else measured["measured_alpha"]
         # The cache grows from the prompt by new_tokens over the decode: predict at its mean.
         decoding = decoding_context(row["context"], cfg.new_tokens)
         realised = run_alpha({"alpha": effective, **measured})
-        run = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
+        run: schema.SpecRun = {"batch": batch, "gamma": gamma, "alpha": effective, "mode": cfg.mode,
                "drafter_kind": cfg.drafter_kind, "prompts": self.inputs.name, "temperature": temperature,
                **measured, "repeats": cfg.repeats,
                "asked": gamma in cfg.gammas,  # else timed because the fit recommends it
@@ -702,7 +730,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
                               key=lambda w: (w[0], w[1], w[3])))
     for run in runs:
         run["recommended"] = any(_is(run, w) for w in wanted)
-    document = {
+    document: schema.SpecDocument = {
         "target": target.source.name,
         # The resolved name (a folder's, not the path given), as keys use it; or the kind's name.
         "draft": draft.source.name if draft is not None else cfg.draft,
@@ -745,7 +773,7 @@ def stored_and_valid(data: dict, key: str) -> bool:
     return key in data.get("spec", {}) and data["spec"][key].get("valid") is not False
 
 
-def _is(run: dict, configuration: tuple) -> bool:
+def _is(run: Mapping[str, Any], configuration: tuple) -> bool:
     """Whether a run is the configuration (batch, temperature, imposed alpha or None, gamma)."""
     batch, temperature, alpha, gamma = configuration
     return ((run["batch"], run["temperature"], run["gamma"]) == (batch, temperature, gamma)

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mac_moesd.inputs.cache_kinds import cache_kinds, leaf_kind, leaves
 from mac_moesd.measure.rollback import APPLIED
 from mac_moesd.measure.rollback_audit import audit_caches
+from mac_moesd.results import schema
 
 __all__ = ["audit_configuration"]
 
@@ -40,11 +41,11 @@ def _audit(model, caches, prompt: mx.array, emitted: mx.array, exact: bool) -> d
     return audit_caches(model, caches, prompt, emitted, held)
 
 
-def _merged(audits: dict[str, dict]) -> dict:
+def _merged(audits: dict[str, dict]) -> schema.RollbackAudit:
     """One audit of the models (``{"target": ..., "drafter": ...}``): ok when all are, the largest
     difference, the first reason."""
     diffs = [a["max_abs_diff"] for a in audits.values() if a["max_abs_diff"] is not None]
-    out = {"ok": all(a["ok"] for a in audits.values()),
+    out: schema.RollbackAudit = {"ok": all(a["ok"] for a in audits.values()),
            "max_abs_diff": max(diffs) if len(diffs) == len(audits) else None,
            "tolerance": max(a["tolerance"] or 0.0 for a in audits.values()) or None}
     reasons = [f"{who}: {a['reason']}" for who, a in audits.items() if "reason" in a]
@@ -53,7 +54,7 @@ def _merged(audits: dict[str, dict]) -> dict:
     return out
 
 
-def audit_configuration(decoders, decode: Callable, exact: bool = True) -> dict:
+def audit_configuration(decoders, decode: Callable, exact: bool = True) -> schema.RollbackRecord:
     """Decode once on pair 0's prompt with ``decode(decoder)`` (a ``Decoded``), then audit the
     models' caches (the target's alone where prompt lookup or an MTP head drafts); ``decoders``
     is the configuration's ``spec.Decoders``."""
@@ -73,7 +74,7 @@ def audit_configuration(decoders, decode: Callable, exact: bool = True) -> dict:
               for who, (model, caches, _) in replayed.items()}
     used = [name for name in APPLIED if any(r[name] for r in rounds.values())]
     kinds = set(cache_kinds(d.target_cache)) | set(cache_kinds(d.draft_cache))
-    record = {"strategy": used[-1] if used else "none", "requested": decoders.rollback,
+    record: schema.RollbackRecord = {"strategy": used[-1] if used else "none", "requested": decoders.rollback,
               "cache_kinds": sorted(kinds), "rounds": rounds, "audit": _merged(audits)}
     decoders.prepare(None)
     return record

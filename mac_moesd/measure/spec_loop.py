@@ -40,6 +40,8 @@ from mac_moesd.measure.rolled_cache import RolledBackCache
 
 __all__ = ["Decoded", "Decoder", "accept", "advance", "common_prompt"]
 
+RuleProbs = dict[str, tuple[list[np.ndarray], list[np.ndarray]]]  # rule -> rows of (token, position) probs
+
 
 @dataclass
 class Decoded:
@@ -51,7 +53,7 @@ class Decoded:
     tokens: int
     per_round: list[int] = field(default_factory=list)
     outputs: np.ndarray | None = None  # (batch, emitted)
-    rule_probs: dict[str, tuple[list, list]] | None = None  # rule -> (token_probs, position_probs)
+    rule_probs: RuleProbs | None = None  # rule -> (token_probs, position_probs)
     # Prompt lookup: draft tokens each sequence was offered in each round (as ``per_round``),
     # each round's verify width (its longest proposal), the host seconds its lookups took, and
     # the rounds that rolled back.
@@ -104,7 +106,7 @@ class Decoder:
         # A drafter model has caches of its own; prompt lookup (``draft`` None) only contexts.
         self.lookup = None if lookup is None else PromptLookup(np.array(prompt), lookup)
         self.draft_rolled = None if draft is None else RolledBackCache(draft, self.batch, self.context, 0, held)
-        self.draft_cache = [] if draft is None else self.draft_rolled.cache
+        self.draft_cache = [] if self.draft_rolled is None else self.draft_rolled.cache
         self.draft_rollback = None if draft is None else Rollback(draft, self.draft_cache, rollback)
         # An MTP head drafts from the hidden state of the target's verify (``mtp_head.MTPHead``).
         capture = getattr(draft, "capture", None)
@@ -144,11 +146,13 @@ class Decoder:
         produced = np.zeros(self.batch, dtype=int)
         per_round: list[int] = []
         emitted: list[mx.array] = []
-        probs = {"mlx-lm": ([], []), "rejection": ([], [])} if rules and temperature > 0 else None
+        probs: RuleProbs | None = {"mlx-lm": ([], []), "rejection": ([], [])} if rules and temperature > 0 else None
+        draft_rollback = self.draft_rollback
+        assert draft_rollback is not None  # a drafter model (prompt lookup went to lookup_rounds)
         y = self.pending
         while produced.min() < new_tokens:
             x, drafts, draft_logits = y, [], []
-            self.draft_rollback.mark()
+            draft_rollback.mark()
             for _ in range(gamma):  # each draft step queued as built, as mlx-lm's _draft_generate
                 logits = self.draft(x, cache=self.draft_cache)[:, -1:]
                 x = self.emit(logits, temperature)
@@ -174,7 +178,7 @@ class Decoder:
                     position_list.extend(np.array(position_p))
             shared, kept, next_y, pieces = advance(y, chosen, drafts_arr, accepted)
             self.target_rollback.undo(gamma + 1, kept)
-            self.draft_rollback.undo(gamma, kept[:, :gamma])  # all kept: nothing to undo
+            draft_rollback.undo(gamma, kept[:, :gamma])  # all kept: nothing to undo
             if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
                 self.draft(drafts[-1], cache=self.draft_cache)
             if mode != "emulated-acceptance":
@@ -198,10 +202,12 @@ class Decoder:
         produced = np.zeros(self.batch, dtype=int)
         per_round, proposed, widths, emitted = [], [], [], []
         lookup_s, rolled_back = 0.0, 0
+        lookup = self.lookup
+        assert lookup is not None
         y = self.pending
         while produced.min() < new_tokens:
             start = time.perf_counter()
-            proposals = self.lookup.propose(gamma)
+            proposals = lookup.propose(gamma)
             lookup_s += time.perf_counter() - start
             lengths = np.array([p.size for p in proposals])
             width = int(lengths.max())
@@ -220,7 +226,7 @@ class Decoder:
             proposed += [int(n) for n in lengths]
             widths.append(width)
             emitted += pieces
-            self.lookup.extend(np.concatenate([padded[:, :shared], np.array(y)], axis=1))
+            lookup.extend(np.concatenate([padded[:, :shared], np.array(y)], axis=1))
         outputs = np.array(mx.concatenate(emitted, axis=1))
         return Decoded(int(produced.sum()), per_round, outputs, proposed=proposed, widths=widths,
                        lookup_s=lookup_s, rounds_rolled_back=int(rolled_back))
@@ -238,6 +244,7 @@ def accept(chosen: mx.array, drafts: mx.array, mode: str, alpha: float | None = 
     mx.eval(chosen, drafts, *(evaluate or []))
     batch, gamma = drafts.shape
     if mode == "emulated-acceptance":
+        assert rng is not None and alpha is not None, "emulated acceptance draws from rng at alpha"
         return np.cumprod(rng.random((batch, gamma)) < alpha, axis=1).sum(axis=1)
     if mode == "self-draft":
         return np.full(batch, gamma)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -129,9 +129,11 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
     elif fits(full) or 2 * unit > full:
         plan = [full]
     else:  # the largest slice N below full whose 2N fits
-        n = zoo.largest_slice(zoo.smaller_slice(full, unit), unit, lambda n: fits(2 * n))
+        below = zoo.smaller_slice(full, unit)
+        assert below is not None  # full is at least two units here
+        n = zoo.largest_slice(below, unit, lambda n: fits(2 * n))
         plan = [n, 2 * n]
-    if not fits(plan[-1]):
+    if available is not None and not fits(plan[-1]):
         need = estimate_bytes(build(source, cfg.dtype, cfg.bits, plan[-1]), cfg)
         raise MacMoesdError(
             f"{source.name} with {plan[-1]} layers needs about {human_bytes(need)} but "
@@ -165,6 +167,7 @@ def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
     """The routing control of an MoE model's grid; None where there is no switch to count."""
     if not built.footprint.experts or not routing.switch_modules(built.model):
         return None
+    assert built.footprint.top_k is not None  # set with experts (zoo.expert_shape)
     return SweepRouting(built.model, parse_routing(cfg.routing), cfg.gather, built.footprint.experts,
                         built.footprint.top_k, cfg.seed)
 
@@ -284,7 +287,7 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
     kv_todo = [b for b in cfg.batches if short is not None
                and not all(point_key(b, kv_tokens) in entry[k][str(short)] for k in KV_KINDS)]
     # Short copies first: each is made from the prefill's rows before the batches' own caches exist.
-    shorts = {b: cache_for(big).shortened(b, short) for b in kv_todo}
+    shorts = {b: cache_for(big).shortened(b, short) for b in kv_todo} if short is not None else {}
     if any(c is None for c in shorts.values()):  # a cache ``can_shorten`` misjudged: one context only
         entry.update(kv_context=None, kv_untrimmable=True)
         kv_todo, shorts = [], {}
@@ -300,6 +303,7 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
             return forward_point(built.model, caches[b], b, t, vocab, control)
         if kind in KV_KINDS:
             cache = shorts[b] if kind == "kv_points" else caches[b]
+            assert cache is not None  # shorts holds no None past the check above
             return forward_point(built.model, cache, b, t, vocab, control, twin_ids[b])
         return pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
 
@@ -459,6 +463,7 @@ def check_context(source: models.ModelSource, cfg: SweepConfig) -> None:
 def draft_config(cfg: SweepConfig) -> SweepConfig:
     """The drafter's part of a sweep: its one-token step, whole, as mlx-lm runs it (the what-ifs
     and the second context concern the target)."""
+    assert cfg.draft is not None  # callers run the drafter's part only with a drafter
     return replace(cfg, model=cfg.draft, tokens=(1,), layers=None, routing="model", gather="mlx-lm", kv_context=0)
 
 
@@ -526,7 +531,7 @@ def points_list(points: dict, pipelined: dict | None = None) -> list[dict]:
     out = []
     for key, m in points.items():
         batch, tokens = parse_point_key(key)
-        row = {"batch": batch, "tokens": tokens}
+        row: dict[str, Any] = {"batch": batch, "tokens": tokens}
         row.update({k: v for k, v in m.items() if k != "samples_s"})
         if pipelined and key in pipelined:
             row["pipelined"] = {k: v for k, v in pipelined[key].items() if k != "samples_s"}

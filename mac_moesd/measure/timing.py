@@ -17,7 +17,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Hashable, Iterator, Protocol
+from typing import Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +31,8 @@ DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start 
 SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
 MIN_EVAL_S = 5e-3  # calibrated K launches make one timed eval last at least this
 MAX_LAUNCHES = 4096  # bounds the graph a calibrated eval builds
+
+K = TypeVar("K", bound=Hashable)  # a point's key
 
 
 @dataclass(frozen=True)
@@ -203,12 +205,12 @@ def finite_time(point: Point) -> float:
 
 
 def measure(
-    points: dict[Hashable, Point],
+    points: dict[K, Point],
     budget: Budget = Budget(),
     rng: random.Random | None = None,
-    on_done: Callable[[Hashable, Measurement], None] | None = None,
-    group: Callable[[Hashable], Hashable] | None = None,
-) -> dict[Hashable, Measurement]:
+    on_done: Callable[[K, Measurement], None] | None = None,
+    group: Callable[[K], Hashable] | None = None,
+) -> dict[K, Measurement]:
     """Measure every point; ``on_done`` is called as each one finishes (to save it at once).
 
     ``group(key)``: points of one group are visited back to back in every round (groups in
@@ -219,9 +221,9 @@ def measure(
     for point in points.values():
         for _ in range(budget.warmup):
             time_once(point)
-    samples: dict[Hashable, list[float]] = {key: [] for key in points}
+    samples: dict[K, list[float]] = {key: [] for key in points}
     spent = {key: 0.0 for key in points}
-    done: dict[Hashable, Measurement] = {}
+    done: dict[K, Measurement] = {}
 
     def finished(key) -> bool:
         n = len(samples[key])

@@ -32,12 +32,14 @@ class Watchdog:
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(os.getpid()), str(timeout)],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        assert self.proc.stdin is not None  # stdin=PIPE
+        self.stdin = self.proc.stdin
         self.say(message)
 
     def _send(self, line: str) -> None:
         try:
-            self.proc.stdin.write((line.replace("\n", " ") + "\n").encode())
-            self.proc.stdin.flush()
+            self.stdin.write((line.replace("\n", " ") + "\n").encode())
+            self.stdin.flush()
         except (BrokenPipeError, ValueError):  # the guard is gone: nothing left to guard with
             pass
 
@@ -52,7 +54,7 @@ class Watchdog:
     def stop(self) -> None:
         self._send("stop")
         try:
-            self.proc.stdin.close()
+            self.stdin.close()
         except (BrokenPipeError, ValueError):
             pass
         self.proc.wait()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -45,10 +45,8 @@ def open_store(out: Path | None, warn: Warn,
     return machine, meta, ResultsStore(folder / "results.json", meta)
 
 
-def _stored(document: dict, meta: dict, store: ResultsStore) -> dict:
-    document["meta"] = meta
-    document["results_file"] = str(store.path)
-    return document
+def _stored(document: Mapping[str, Any], meta: dict, store: ResultsStore) -> dict[str, Any]:
+    return {**document, "meta": meta, "results_file": str(store.path)}
 
 
 def info(warn: Warn) -> dict:
@@ -196,8 +194,7 @@ def run_spec(cfg: spec.SpecConfig, memory_limit: float | None, out: Path | None,
     key = spec_key(document["target"], document["draft"], cfg.mode,
                    document["prompts"]["name"] if document["prompts"]["count"] else None)
     store.put("spec", key, document)
-    document["meta"] = meta
-    return document
+    return {**document, "meta": meta}
 
 
 def run_serving(cfg, out: Path | None, progress: Progress, warn: Warn) -> dict:
@@ -245,16 +242,16 @@ def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Pr
     limit = memory.limit_bytes(memory_limit)
     machine, meta, store = open_store(out, warn, per_chip=True)
     serving_cfg = serving_stage.stage_config(options.quick) if options.serving else None
-    chosen = None
+    chosen: list[plans.PairPlan] | None = None
     if options.target:
         chosen = plans.pair_plans(machine.backend, options.quick, options.target, options.drafts,
                                   options.prompt_sets, alpha=options.alpha)
     elif machine.backend == "cpu" and options.prompts_given:
         raise BadInput("--prompts needs --target and --draft here (the cached-pair search runs on a GPU only)")
     elif machine.backend != "cpu" and not options.models and not options.full:
-        chosen, search = plans.find_default_pair(machine.backend, options.quick,
-                                                 memory.usable(limit).usable_bytes, options.prompt_sets)
-        chosen = chosen and [chosen]
+        pair, search = plans.find_default_pair(machine.backend, options.quick,
+                                               memory.usable(limit).usable_bytes, options.prompt_sets)
+        chosen = [pair] if pair is not None else None
         store.put("pair_search", "latest", search.to_dict())
         if chosen is None:
             warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
@@ -274,17 +271,20 @@ def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Pr
     return RunResult(outcome, store, paths)
 
 
-def _planned_machine(chip: str | None, memory_gib: float | None, memory_limit: float | None, out: Path | None):
+def _planned_machine(chip: str | None, memory_gib: float | None, memory_limit: float | None,
+                     out: Path | None) -> tuple[str, str, int | None, memory.Usable, estimate.Rates | None]:
     """Backend, chip name, RAM, usable memory and rates of the machine a dry run plans for: the
     table's ``chip`` with ``memory_gib`` of RAM, or this one (its RAM as ``memory_gib`` says)."""
     limit = memory.limit_bytes(memory_limit)
     if chip:
+        if memory_gib is None:
+            raise BadInput("--chip needs --memory GiB (the Mac's RAM)")
         found = estimate.parse_chip(chip)
-        total = int(memory_gib * memory.GiB)
-        usable = memory.usable_from(memory.working_set_bytes(total), None, limit,
+        ram = int(memory_gib * memory.GiB)
+        usable = memory.usable_from(memory.working_set_bytes(ram), None, limit,
                                     "working set of a Mac with this RAM (2/3 of it up to 32 GiB, 3/4 above; "
                                     "docs/design.md §5); nothing else assumed running")
-        return "metal", f"{found.name} {found.gpu_cores}c", total, usable, estimate.chip_rates(found)
+        return "metal", f"{found.name} {found.gpu_cores}c", ram, usable, estimate.chip_rates(found)
     machine = hardware.detect()
     total = machine.memory_bytes
     if memory_gib is not None:
@@ -307,13 +307,14 @@ def dry_run(options: RunOptions, out: Path | None, memory_limit: float | None, c
     from mac_moesd.measure import serving_stage
 
     backend, name, total, usable, rates = _planned_machine(chip, memory_gib, memory_limit, out)
-    found = None
+    found: list[plans.PairPlan] | None = None
     if options.target:
         found = plans.pair_plans(backend, options.quick, options.target, options.drafts, options.prompt_sets,
                                  alpha=options.alpha)
     elif not chip and backend != "cpu" and not options.models and not options.full:
-        found, _ = plans.find_default_pair(backend, options.quick, usable.usable_bytes)  # as `run` would
-        found = found and [found]
+        pair, _ = plans.find_default_pair(backend, options.quick, usable.usable_bytes,
+                                          options.prompt_sets)  # as `run` would
+        found = [pair] if pair is not None else None
     plan = found[0].base if found else plans.default_plan(backend, options.quick, options.full)
     if options.models:
         plan = plans.with_models(plan, options.models)

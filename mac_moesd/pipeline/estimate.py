@@ -66,7 +66,8 @@ class Sizing:
 def parse_chip(text: str) -> hardware.ChipSpec:
     """'Apple M3 Pro' (full-core tier) or 'Apple M3 Pro 18c' from the chip table."""
     match = re.fullmatch(r"\s*(.*?)(?:\s+(\d+)\s*c(?:ores?)?)?\s*", text, flags=re.IGNORECASE)
-    name, cores = match.group(1), match.group(2)
+    # no match: a line break inside the name, which no chip of the table has
+    name, cores = (match.group(1), match.group(2)) if match else (text, None)
     if not name.lower().startswith("apple"):
         name = f"Apple {name}"
     found = hardware.lookup_spec(name, int(cores) if cores else None)
@@ -205,8 +206,9 @@ def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str,
     """Routing on random ids, or on a prompt set (one sequence of ``length`` tokens per prompt)."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     source = models.resolve(name)
-    cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits,
-                                **({"length": length} if length else {}))
+    cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
+    if length:
+        cfg = replace(cfg, length=length)
     sequences = len(load_prompts(prompts).prompts) if prompts else 2 * max(cfg.batches)
     build = functools.lru_cache(maxsize=None)(lambda layers: models.build(source, dtype, plan.bits, layers))
     built = build(zoo.largest_slice(
@@ -224,6 +226,7 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
     """Emulated-acceptance SD on the sparser MoE, every configuration to its precision."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     target = plan.moe[0]
+    assert plan.draft is not None  # a zoo plan always has its drafter model
     cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
                           alphas=(theory.DEFAULT_ALPHA,), context=plan.context, new_tokens=plan.spec_tokens,
                           repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits,
@@ -288,6 +291,7 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
     modelless = pair.drafter_kind != "model"  # prompt lookup, or an MTP head on the target
     ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg),
                           None if modelless else models.resolve(pair.draft_arg)).ids
+    assert ids is not None  # the prompts are a set (spec_config), so random ids are refused
     t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
     if t.layers < t.layers_full:
         raise MacMoesdError(f"{pair.target} and its drafter fit only as slices of their layers, which a "

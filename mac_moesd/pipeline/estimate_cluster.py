@@ -114,19 +114,20 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
         rank_rows = [{"rank": r, "layers": b.config["num_hidden_layers"], "weights_bytes": b.footprint.bytes_total,
                       "peak_bytes": n["peak_bytes"], "phase": n["phase"]}
                      for r, (b, n) in enumerate(zip(builds, needs))]
-    draft = models.build(models.resolve(plan.draft), dtype, plan.bits)  # whole, on every rank
-    draft_need = sweep.estimate(draft, sweep.draft_config(cfg))
-    peak = max(peak, draft_need["peak_bytes"])
-    seconds += single.materialise_seconds(draft, rates) + single.prefill_seconds(draft, rates, big, plan.context)
-    seconds += sum(single.grid_point_seconds(single.forward_seconds(draft, rates, b, 1, plan.context), budget, 1)
-                   for b in plan.batches)
+    if cfg.draft:  # none in a pair run drafted without a model (prompt lookup, an MTP head)
+        draft = models.build(models.resolve(cfg.draft), dtype, plan.bits)  # whole, on every rank
+        draft_need = sweep.estimate(draft, sweep.draft_config(cfg))
+        peak = max(peak, draft_need["peak_bytes"])
+        seconds += single.materialise_seconds(draft, rates) + single.prefill_seconds(draft, rates, big, plan.context)
+        seconds += sum(single.grid_point_seconds(single.forward_seconds(draft, rates, b, 1, plan.context), budget, 1)
+                       for b in plan.batches)
     vocab = source.config["vocab_size"]
     peak = max(peak, memory.rejection_bytes(vocab, big, cfg.gamma))
     seconds += sum(single.point_seconds(memory.rejection_bytes(vocab, b, cfg.gamma) / rates.bandwidth_bytes_s,
                                         budget) for b in plan.batches)
     verify = plan.tokens[-1]
-    return {"stage": f"sweep {name} ({parallel} x{ranks})", "models": [name, plan.draft], "layers": slices,
-            "layers_full": int(source.config["num_hidden_layers"]), "extrapolated": len(slices) > 1,
+    return {"stage": f"sweep {name} ({parallel} x{ranks})", "models": [name, *([cfg.draft] if cfg.draft else [])],
+            "layers": slices, "layers_full": int(source.config["num_hidden_layers"]), "extrapolated": len(slices) > 1,
             "grid": {"batch": list(plan.batches), "tokens": list(plan.tokens)}, "context": plan.context,
             "slices": parts, "ranks": rank_rows, "collectives_per_token": ops,
             "comm_share_batch1": {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.pipeline.stages import roofline_stage, sweep_config
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, keys, pair_key, pair_spec_key
+from mac_moesd.results import ResultsStore, keys, pair_key, pair_spec_key, schema
 
 __all__ = ["as_swept", "pair_stages", "run_pair", "sweep_routing"]
 
@@ -87,6 +88,7 @@ def sweep_routing(store: ResultsStore, plan: PairPlan, drafters: tuple[str, ...]
     run's other drafters, whose entries share it."""
     batch, window = max(plan.base.batches), max(plan.base.tokens)
     found = prompts_trace(store, plan)
+    record: dict[str, Any]
     if found is None:
         record = {"routing": "model", "key": "model",
                   "why": "no routing trace of the prompts is saved: their routing stages were skipped"}
@@ -94,6 +96,7 @@ def sweep_routing(store: ResultsStore, plan: PairPlan, drafters: tuple[str, ...]
         path, sets = found
         mode = routing_control.parse_routing(f"trace:{path}")
         trace = mode.trace
+        assert trace is not None  # a trace: mode always loads its file
         if batch > routing_control.trace_capacity(trace, window):
             record = {"routing": "model", "key": "model",
                       "why": f"the prompts' trace holds {trace.sequences} sequences of {trace.length} tokens, "
@@ -234,7 +237,7 @@ def pair_stages(plans: PairPlan | list[PairPlan], serving=None) -> list[Stage]:
             *([_serving(served[0], serving)] if serving else [])]
 
 
-def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, spec_dict: dict | None,
+def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, spec_dict: schema.ChipSpec | None,
              progress: Progress = Progress(), memory_limit: int | None = None, serving=None) -> Outcome:
     """Measure every missing stage of the pair run into ``store`` (``runner.run_stages``), after
     recording what it measures (one ``pairs`` entry per drafter)."""

@@ -64,7 +64,8 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
     # the sparse MoE only, context 256, batches to 8 and two SD batch sizes; a hybrid
     # linear-attention MoE (the architecture most Mac SD reports of 2026 are about), the less
     # sparse MoE, context 512, batch 16-32 and the full SD grid are the default run's.
-    moe = ("qwen1.5-moe-a2.7b",) if quick else ("qwen1.5-moe-a2.7b", "qwen3.6-35b-a3b", "mixtral-8x7b")
+    moe: tuple[str, ...] = (("qwen1.5-moe-a2.7b",) if quick
+                            else ("qwen1.5-moe-a2.7b", "qwen3.6-35b-a3b", "mixtral-8x7b"))
     if full:
         moe = ("qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b", "deepseek-v2-lite", "mixtral-8x7b")
     return Plan(
@@ -82,7 +83,8 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
 
 def with_models(plan: Plan, names: tuple[str, ...]) -> Plan:
     """Replace the default targets: MoE models in the given order, the first dense one as control."""
-    moe, dense = [], []
+    moe: list[str] = []
+    dense: list[str] = []
     for name in names:
         (moe if zoo.expert_shape(models.resolve(name).config) else dense).append(name)
     if not moe:
@@ -114,7 +116,10 @@ class PairPlan:
     @property
     def draft_arg(self) -> str:
         """What SD is given as its drafter: the model as the command line named it, or the kind."""
-        return self.draft if self.draft in DRAFTER_KINDS else self.base.draft
+        if self.draft in DRAFTER_KINDS:
+            return self.draft
+        assert self.base.draft is not None  # a drafter model's plan names it (pair_plans)
+        return self.base.draft
 
     @property
     def drafter_kind(self) -> str:
@@ -176,7 +181,7 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))
     # --quick: the untimed acceptance pass decodes the first 10 prompts of each set (a third of
     # a built-in set); the timed runs still cycle through all of them.
-    names = [d if d in DRAFTER_KINDS else draft_source.name for d in dict.fromkeys(drafts)]
+    names = [draft_source.name if draft_source and d not in DRAFTER_KINDS else d for d in dict.fromkeys(drafts)]
     return [PairPlan(base, target_source.name, name, tuple(prompt_sets), found=found,
                      max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha) for name in names]
 

@@ -19,7 +19,7 @@ from typing import Callable
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine import hardware, memory, thermal
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore
+from mac_moesd.results import ResultsStore, schema
 
 __all__ = ["Context", "Outcome", "Stage", "isolated", "run_stages"]
 
@@ -58,7 +58,7 @@ class Context:
 
     store: ResultsStore
     backend: str
-    spec: dict | None
+    spec: schema.ChipSpec | None
     outcome: Outcome
     progress: Progress = field(default_factory=Progress)
     usable_bytes: int | None = None
@@ -73,7 +73,7 @@ class Stage:
     stage's measuring code sets the device state itself (the roofline, which records it)."""
 
     label: str
-    work: Callable[[Context], None]
+    work: Callable[[Context], object]  # what it returns is ignored
     done: Callable[[dict], bool] | None = None
     estimate: Callable[..., dict] | None = None
     models: tuple[str, ...] = ()
@@ -157,7 +157,7 @@ DOCUMENT_SECTIONS = ("sweeps", "draft", "reject", "routing", "fits", "spec", "se
 
 def _documents(data: dict) -> dict[tuple, dict]:
     """Every stage document in ``data``, by where it is."""
-    found = {("roofline",): data["roofline"]} if data.get("roofline") else {}
+    found: dict[tuple, dict] = {("roofline",): data["roofline"]} if data.get("roofline") else {}
     for section in DOCUMENT_SECTIONS:
         found.update({(section, key): doc for key, doc in data.get(section, {}).items()})
     return found

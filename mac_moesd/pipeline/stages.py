@@ -18,7 +18,7 @@ from mac_moesd.pipeline import estimate
 from mac_moesd.pipeline.plans import Plan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, keys, spec_key
+from mac_moesd.results import ResultsStore, keys, schema, spec_key
 
 __all__ = ["default_stages", "roofline_stage", "run_all", "sweep_config"]
 
@@ -79,14 +79,15 @@ def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
 
 def _spec(plan: Plan) -> Stage:
     """Emulated-acceptance SD on the sparser MoE, beside the fit's predictions."""
-    target = plan.moe[0]
-    key = spec_key(target, plan.draft, "emulated-acceptance")
+    target, draft = plan.moe[0], plan.draft
+    assert draft is not None  # a zoo plan always has its drafter model
+    key = spec_key(target, draft, "emulated-acceptance")
 
     def work(ctx: Context) -> None:
         data = ctx.store.data
         if target not in data.get("fits", {}):
             raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
-        cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches,
+        cfg = spec.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(theory.DEFAULT_ALPHA,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
@@ -97,7 +98,7 @@ def _spec(plan: Plan) -> Stage:
         spec.require_valid(document)
 
     return Stage(f"spec {target}", work, done=lambda data: spec.stored_and_valid(data, key),
-                 estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, plan.draft))
+                 estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, draft))
 
 
 def _random_weights_serving() -> Stage:
@@ -115,7 +116,7 @@ def default_stages(plan: Plan, serving: bool = False) -> list[Stage]:
             *([_random_weights_serving()] if serving else [])]
 
 
-def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: dict | None, progress: Progress = Progress(),
+def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: schema.ChipSpec | None, progress: Progress = Progress(),
             memory_limit: int | None = None, serving: bool = False) -> Outcome:
     """Measure every missing stage of ``plan`` into ``store`` (``runner.run_stages``); with
     ``serving``, a serving stage is listed and skipped with why (the default models have random

@@ -4,7 +4,7 @@ fitted model's SD predictions on that cluster (with the link as measured and wit
 from __future__ import annotations
 
 from mac_moesd.analysis.digest import Digest
-from mac_moesd.reporting.formatting import seconds
+from mac_moesd.reporting.formatting import Block, seconds
 from mac_moesd.results import parse_point_key
 
 __all__ = ["cluster_blocks"]
@@ -18,11 +18,12 @@ def _f2(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def cluster_blocks(d: Digest) -> list:
+def cluster_blocks(d: Digest) -> list[Block]:
     shape = d.meta.get("cluster")
     if not shape:
         return []
     hosts = ", ".join(shape["hosts"])
+    blocks: list[Block]
     blocks = [("h2", f"Cluster: {shape['ranks']} ranks, {shape['parallel']} parallel"),
               ("p", f"Measured with `mlx.launch` over the **{shape['backend']}** backend on {hosts} "
                     f"(rank order). Every forward ran on all ranks at once and counts as the slowest "

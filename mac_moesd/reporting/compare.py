@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, TypedDict
 
 import matplotlib
 
@@ -18,8 +19,15 @@ __all__ = ["REFERENCE_GPUS", "compare", "machine_row_of"]
 
 ALPHA, GAMMA = theory.DEFAULT_ALPHA, 4
 
+
+class ReferenceGPU(TypedDict):
+    chip: str
+    bandwidth_gbs: float
+    tflops: float
+
+
 # Published, not measured: bandwidth and dense BF16 tensor throughput (no sparsity).
-REFERENCE_GPUS = (
+REFERENCE_GPUS: tuple[ReferenceGPU, ...] = (
     # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: 3.35 TB/s, 989 TFLOPS BF16 dense)
     {"chip": "NVIDIA H100 SXM", "bandwidth_gbs": 3350.0, "tflops": 989.0},
     # https://www.nvidia.com/en-us/data-center/a100/ (A100 80GB SXM: 2,039 GB/s, 312 TFLOPS BF16)
@@ -41,7 +49,7 @@ def machine_row(data: dict, label: str) -> dict:
     d = Digest(data)
     roof = d.roofline or {}
     shape = d.meta.get("cluster")
-    row = {
+    row: dict[str, Any] = {
         "label": label,
         "chip": (f"{shape['ranks']} x {d.meta.get('chip')} ({shape['parallel']}, {shape['backend']})"
                  if shape else d.meta.get("chip")),

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mac_moesd.machine import thermal
 from mac_moesd.units import gib, human_bytes
 
 if TYPE_CHECKING:
     from mac_moesd.analysis.fit.document import RunPrediction
+
+# One block of the report, as report.py renders it: a heading, paragraph or note (its text), a
+# numbered list (its items), a table (headers, rows) or a figure (its name, caption).
+Block: TypeAlias = (tuple[Literal["h1", "h2", "h3", "p", "note"], str] | tuple[Literal["list"], list[str]]
+                    | tuple[Literal["table"], list[str], list[list[str]]] | tuple[Literal["figure"], str, str])
 
 
 def si(value: float | None, unit: str, digits: int = 3) -> str:
@@ -333,7 +338,7 @@ def precision_note(runs: list[dict]) -> str:
     recorded before precisions, not."""
     measured = [r for r in runs if r.get("measured_ci")]
     if not measured:
-        pairs = sorted({r.get("repeats") for r in runs if r.get("repeats")})
+        pairs = sorted({r["repeats"] for r in runs if r.get("repeats")})
         return (f"Measured S is the median of per-pair ratios over {', '.join(map(str, pairs))} pairs with "
                 "their range, not measured to a precision (recorded before confidence intervals).")
     met = sum(bool(r.get("precision_met")) for r in measured)

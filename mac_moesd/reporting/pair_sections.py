@@ -9,7 +9,7 @@ from pathlib import Path
 from mac_moesd.analysis import fit as fit_module
 from mac_moesd.analysis import spec_runs, theory, verdict
 from mac_moesd.analysis.digest import Digest, weight_format
-from mac_moesd.reporting.formatting import (ROUND_HEADER, by_position, invalid_lines, measured_speedup,
+from mac_moesd.reporting.formatting import (ROUND_HEADER, Block, by_position, invalid_lines, measured_speedup,
                                              newer_fit_note, plain_vs_sweep, precision_note, predicted_cells, rollback_cell,
                                              round_cell)
 from mac_moesd.results import keys
@@ -18,9 +18,9 @@ from mac_moesd.units import human_bytes
 __all__ = ["first_lines", "pair_blocks"]
 
 
-def first_lines(d: Digest) -> list:
+def first_lines(d: Digest) -> list[Block]:
     """What the report is about, before anything else: the user's pair, or why random weights."""
-    blocks = []
+    blocks: list[Block] = []
     for p in d.pairs:
         kind = p.get("drafter_kind", "model")
         drafter = p["draft"] if kind == "model" else KIND_NAMES[kind]
@@ -51,7 +51,7 @@ def _format(run: str, p: dict, role: str) -> str:
     return run if stored in (None, run) else f"{run} (stored {stored})"
 
 
-def _measured(d: Digest, p: dict) -> list:
+def _measured(d: Digest, p: dict) -> list[Block]:
     rows = []
     target = d.model(p["target"])
     if target is not None:
@@ -65,7 +65,7 @@ def _measured(d: Digest, p: dict) -> list:
         fp = draft["footprint"]
         rows.append(["drafter", p["draft"], p["draft_arg"], _format(weight_format(draft), p, "draft"), "dense",
                      str(draft["layers_full"]), _params(fp["params_total"]), human_bytes(fp["bytes_total"], places=2)])
-    blocks = [("h3", "What was measured")]
+    blocks: list[Block] = [("h3", "What was measured")]
     if rows:
         blocks.append(("table", ["role", "model", "from", "format", "experts", "layers", "parameters",
                                  "weights"], rows))
@@ -117,7 +117,7 @@ def _prompt_sets(d: Digest, p: dict) -> list[str]:
     return out
 
 
-def _routing(d: Digest, p: dict) -> list:
+def _routing(d: Digest, p: dict) -> list[Block]:
     docs = {s: r for s in p["prompt_sets"] for r in d.routing
             if r["model"] == p["target"] and r["text"] == keys.prompt_set_text(s)}
     if not docs:
@@ -198,14 +198,14 @@ def _verdict_line(prompt_set: str, row: dict, run: dict | None) -> str:
     return text + why + _break_even(row)
 
 
-def _no_verdict(missing: str) -> tuple:
+def _no_verdict(missing: str) -> Block:
     return ("p", f"No verdict: {missing} is missing (the skipped stages above say why); rerun the same "
                  "command to retry them.")
 
 
-def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
+def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list[Block]:
     """The verdict of prompt lookup, from its timed runs (``verdict.lookup_rows``)."""
-    blocks = [("h3", "Verdict for prompt lookup")]
+    blocks: list[Block] = [("h3", "Verdict for prompt lookup")]
     if not docs:
         return blocks + [_no_verdict("measured SD on the prompt sets")]
     batches = tuple(sorted({1, max(p["spec_batches"])}))
@@ -241,9 +241,9 @@ def _lookup_verdict(p: dict, docs: dict[str, dict]) -> list:
     return blocks
 
 
-def _imposed_verdict(p: dict, docs: dict[str, dict]) -> list:
+def _imposed_verdict(p: dict, docs: dict[str, dict]) -> list[Block]:
     """The verdict of an MTP head, timed at an imposed acceptance: what it would need to accept."""
-    blocks = [("h3", "Verdict for an MTP head (acceptance imposed)")]
+    blocks: list[Block] = [("h3", "Verdict for an MTP head (acceptance imposed)")]
     if not docs:
         return blocks + [_no_verdict("measured SD on the prompt sets")]
     rows, lines = [], []
@@ -273,12 +273,12 @@ def _imposed_verdict(p: dict, docs: dict[str, dict]) -> list:
     return blocks
 
 
-def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list:
+def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list[Block]:
     if p.get("drafter_kind") == "prompt-lookup":
         return _lookup_verdict(p, docs)
     if p.get("drafter_kind") == "mtp-head":
         return _imposed_verdict(p, docs)
-    blocks = [("h3", "Verdict for this pair")]
+    blocks: list[Block] = [("h3", "Verdict for this pair")]
     fitted = d.fit_of(p["target"])
     if fitted is None or not fitted.get("drafted") or not docs:
         missing = "the fit of the target with the drafter's step" if fitted is None or not fitted.get(
@@ -336,7 +336,7 @@ def _counted(docs: dict[str, dict]) -> str:
     return "; ".join(parts)
 
 
-def _acceptance(docs: dict[str, dict], figures: dict) -> list:
+def _acceptance(docs: dict[str, dict], figures: dict[str, Path]) -> list[Block]:
     rows, notes = [], []
     for prompt_set, doc in docs.items():
         for a in doc.get("acceptance") or []:
@@ -359,6 +359,7 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
                              + ("" if not check["mismatched"] else " (float near-ties flip an argmax)"))
     if not rows:
         return []
+    blocks: list[Block]
     blocks = [("h3", "Acceptance per prompt set and temperature"),
               ("table", ["prompt set", "temperature", "gamma", "rule", "how", "rounds",
                          "accepted at position 1..gamma", "accepted/round", "sigma", "alpha"], rows),
@@ -373,7 +374,7 @@ def _acceptance(docs: dict[str, dict], figures: dict) -> list:
                       "temperature.")] if "acceptance" in figures else blocks
 
 
-def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
+def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict[str, Path]) -> list[Block]:
     fitted = d.fit_of(p["target"])
     rows, predictions = [], []
     for prompt_set, doc in docs.items():
@@ -390,6 +391,7 @@ def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict) -> list:
     if not rows:
         return []
     runs = [r for doc in docs.values() for r in doc["runs"]]
+    blocks: list[Block]
     blocks = [("h3", "Measured against predicted speedup"),
               ("table", ["prompt set", "temperature", "B", "gamma", "engine", "alpha", "plain tok/s",
                          "SD tok/s", "measured S", "predicted (timed parts)", "error", "predicted (fit)",
@@ -444,13 +446,13 @@ def _compared(where: tuple[str, float, int], fastest: dict[str, dict], kinds: di
     return rows, f"On {prompt_set} at temperature {temperature:g}, batch 1: " + "; ".join(parts) + "."
 
 
-def drafter_blocks(d: Digest) -> list:
+def drafter_blocks(d: Digest) -> list[Block]:
     """Where a target was measured with several kinds of drafter on the same prompts: each kind's
     fastest measured S per prompt set, temperature and batch, the best kind first, and what the
     others would need to accept per round to pay off (from their rounds' measured cost). Kinds
     timed at an imposed acceptance (an MTP head) are never ranked against measured ones: for them,
     the acceptance they would need."""
-    blocks = []
+    blocks: list[Block] = []
     by_target: dict[str, list[dict]] = {}
     for p in d.pairs:
         by_target.setdefault(p["target"], []).append(p)
@@ -466,9 +468,9 @@ def drafter_blocks(d: Digest) -> list:
                                    for r in sd[prompt_set]["runs"]})
             for temperature in temperatures:
                 for batch in sorted({1, max(pairs[0]["spec_batches"])}):
-                    fastest = {draft: verdict.fastest_run(sd[prompt_set]["runs"], batch, temperature)
-                               for draft, sd in docs.items() if prompt_set in sd}
-                    fastest = {k: v for k, v in fastest.items() if v is not None}
+                    timed = {draft: verdict.fastest_run(sd[prompt_set]["runs"], batch, temperature)
+                             for draft, sd in docs.items() if prompt_set in sd}
+                    fastest = {k: v for k, v in timed.items() if v is not None}
                     if fastest:
                         more, lead = _compared((prompt_set, temperature, batch), fastest, kinds, imposed)
                         rows += more
@@ -488,7 +490,7 @@ def drafter_blocks(d: Digest) -> list:
     return blocks
 
 
-def pair_blocks(d: Digest, figures: dict) -> list:
+def pair_blocks(d: Digest, figures: dict[str, Path]) -> list[Block]:
     """The pair sections, one group per measured pair, after the comparison of drafters."""
     blocks = drafter_blocks(d)
     for p in d.pairs:

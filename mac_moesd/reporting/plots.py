@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 import matplotlib.ticker
@@ -15,8 +16,12 @@ from mac_moesd.analysis import theory  # noqa: E402
 from mac_moesd.analysis.spec_runs import valid_runs  # noqa: E402
 from mac_moesd.analysis.digest import Digest  # noqa: E402
 
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
+
 DPI = 110
-STYLE = {"figure.figsize": (7.0, 4.2), "axes.grid": True, "grid.alpha": 0.3, "font.size": 10}
+STYLE: dict[RcKeyType, Any] = {"figure.figsize": (7.0, 4.2), "axes.grid": True, "grid.alpha": 0.3,
+                               "font.size": 10}
 
 
 def _save(fig, folder: Path, name: str) -> Path:
@@ -189,12 +194,12 @@ def what_if(d: Digest, folder: Path) -> Path | None:
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, 4.2 * len(panels)), 3.8), squeeze=False)
         for ax, (views, b) in zip(axes[0], panels):
-            colours = {}
+            colours: dict[str, str] = {}
             for v in views:
                 colour = colours.setdefault(v.routing, f"C{len(colours)}")
-                ts = [t for t in v.tokens if v.median(b, t) is not None]
-                if ts:
-                    ax.plot(ts, [v.median(b, t) * 1e3 for t in ts], marker="o", color=colour,
+                timed = [(t, s) for t in v.tokens if (s := v.median(b, t)) is not None]
+                if timed:
+                    ax.plot([t for t, _ in timed], [s * 1e3 for _, s in timed], marker="o", color=colour,
                             ls="--" if v.gather == "sorted" else "-", label=f"{v.routing}, {v.gather}")
             ax.set_title(f"{views[0].name}, B={b}", fontsize=9)
             ax.set_xlabel("new tokens t")

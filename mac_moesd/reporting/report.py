@@ -23,7 +23,7 @@ from mac_moesd.results import parse_point_key
 from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, lookup_lines, measured_speedup, plain_vs_sweep,
                                              newer_fit_note, precision_note, predicted_cells, kv_lines, one_row_lines,
                                              pipelining_lines, rollback_cell, roofline_shrunk_line, round_cell,
-                                             routing_sentence, seconds, throttled_lines)
+                                             routing_sentence, seconds, throttled_lines, Block)
 
 __all__ = ["build_blocks", "write_report"]
 
@@ -41,9 +41,10 @@ def pct(x: float) -> str:
 # ---- sections ----
 
 
-def _title(d: Digest) -> list:
+def _title(d: Digest) -> list[Block]:
     m = d.meta
     backend = m.get("backend", "?")
+    blocks: list[Block]
     blocks = [("h1", f"mac-moesd report: {m.get('chip', 'unknown machine')}"), *pair_sections.first_lines(d)]
     blas = m.get("blas", {}).get("name", "?")
     versions = m.get("versions", {})
@@ -68,16 +69,17 @@ def _title(d: Digest) -> list:
 def _best_gamma(fit: dict, alpha: float) -> dict:
     """The fit's stored batch-1 prediction row of the best gamma at ``alpha``."""
     rows = {p["gamma"]: p for p in fit["predictions"] if p["batch"] == 1 and p["alpha"] == alpha}
-    gamma, _ = theory.best_gamma(lambda g: rows[g]["speedup"] if g in rows else None, tuple(sorted(rows)))
-    return rows[gamma]
+    best = theory.best_gamma(lambda g: rows[g]["speedup"] if g in rows else None, tuple(sorted(rows)))
+    assert best is not None, "a drafted fit predicts batch 1 at each of its alphas"
+    return rows[best[0]]
 
 
-def _verdict(d: Digest) -> list:
+def _verdict(d: Digest) -> list[Block]:
     # A pair's target has its own verdict, at the acceptance measured on its prompts.
     fits = [f for f in d.fits if f["model"] not in {p["target"] for p in d.pairs}]
     if d.pairs and not fits:
         return []
-    blocks = [("h2", "Verdict: is speculative decoding worth it here?")]
+    blocks: list[Block] = [("h2", "Verdict: is speculative decoding worth it here?")]
     if not fits:
         return blocks + [("p", "No fit yet: run `mac-moesd run` (or `sweep` with `--draft`, then `fit`).")]
     roof = d.roofline
@@ -148,10 +150,11 @@ def _measured_lead(d: Digest, fit: dict) -> str:
         return ""
     best, _ = max(found, key=lambda x: x[0]["measured_speedup"])
     imposed = sorted({r["alpha"] for r, _ in found if r.get("mode") == "emulated-acceptance"})
-    realised = [fit_module.run_alpha(r) for r, _ in found]
-    how = (f"acceptance imposed at {', '.join(f'{a:.2f}' for a in imposed)}, realised "
-           f"{min(realised):.2f}-{max(realised):.2f}" if imposed else
-           f"acceptance measured {min(realised):.2f}-{max(realised):.2f}")
+    # Prompt lookup solves no alpha (its proposals vary in length).
+    realised = [a for r, _ in found if (a := fit_module.run_alpha(r)) is not None]
+    span = f"{min(realised):.2f}-{max(realised):.2f}" if realised else "n/a"
+    how = (f"acceptance imposed at {', '.join(f'{a:.2f}' for a in imposed)}, realised {span}" if imposed else
+           f"acceptance measured {span}")
     worth = "pays off" if best["measured_speedup"] > 1.0 else "does not pay off"
     parts, off = [], []
     for r, doc in sorted(found, key=lambda x: x[0]["gamma"]):
@@ -160,7 +163,8 @@ def _measured_lead(d: Digest, fit: dict) -> str:
             continue
         check = verdict.agreement(r, prediction.shown, fit.get("heldout_mape"))
         said = (f"predicted {f2(prediction.stored)} when timed, {f2(prediction.now)} by the current fit"
-                if prediction.newer and prediction.stored is not None else f"predicted {f2(prediction.shown)}")
+                if prediction.now is not None and prediction.stored is not None
+                else f"predicted {f2(prediction.shown)}")
         parts.append(f"gamma {r['gamma']} measured {measured_speedup(r)}, {said} "
                      f"({'agrees' if check['agrees'] else 'disagrees'})")
         if not check["agrees"]:
@@ -189,7 +193,7 @@ def _window_experts(fit: dict, window: int) -> str:
             f"{uniform:.1f} under uniform routing)")
 
 
-def _roofline(d: Digest, figures) -> list:
+def _roofline(d: Digest, figures: dict[str, Path]) -> list[Block]:
     roof = d.roofline
     if not roof:
         return []
@@ -205,7 +209,7 @@ def _roofline(d: Digest, figures) -> list:
     frac = roof.get("fraction_of_spec")
     if frac:
         text += f" Measured bandwidth is {pct(frac['bandwidth'])} of the published spec."
-    blocks = [("h2", "Roofline"), ("p", text), ("table", ["measure", "value"], rows)]
+    blocks: list[Block] = [("h2", "Roofline"), ("p", text), ("table", ["measure", "value"], rows)]
     shrunk = roofline_shrunk_line(roof.get("shrunk"))
     if shrunk:
         blocks.insert(2, ("note", shrunk))
@@ -213,11 +217,11 @@ def _roofline(d: Digest, figures) -> list:
                             f"{VERIFY_WINDOW}-token verify window, for each swept model.")
 
 
-def _shape(d: Digest, figures) -> list:
+def _shape(d: Digest, figures: dict[str, Path]) -> list[Block]:
     models = [m for m in d.models if m.points]
     if not models:
         return []
-    blocks = [("h2", "Two-factor shape: what a t-token forward costs")]
+    blocks: list[Block] = [("h2", "Two-factor shape: what a t-token forward costs")]
     rows = []
     for m in models:
         for b in m.batches:
@@ -233,10 +237,10 @@ def _shape(d: Digest, figures) -> list:
     return blocks
 
 
-def _routing(d: Digest, figures) -> list:
+def _routing(d: Digest, figures: dict[str, Path]) -> list[Block]:
     if not d.routing:
         return []
-    blocks = [("h2", "Activated experts")]
+    blocks: list[Block] = [("h2", "Activated experts")]
     rows = []
     for r in d.routing:
         rows.append([r["model"], r["text"], f"{r['correlation']:.3f}", f"{r['batch_correlation']:.3f}",
@@ -271,10 +275,11 @@ def _gather_gains(views: list, window: int) -> list[str]:
     return lines
 
 
-def _what_ifs(d: Digest, figures) -> list:
+def _what_ifs(d: Digest, figures: dict[str, Path]) -> list[Block]:
     groups = [(m, d.what_ifs(m)) for m in d.models if d.what_ifs(m)]
     if not groups:
         return []
+    blocks: list[Block]
     blocks = [("h2", "What-ifs: forced routing and sorted gather"),
               ("p", "The same model swept with its experts chosen otherwise (`sweep --routing`: uniform, "
                     "MoESD's assumption; correlated:C, t consecutive tokens activating N(1 + C(t-1)); a "
@@ -305,10 +310,10 @@ def _what_ifs(d: Digest, figures) -> list:
                             "(solid: mlx-lm's, dashed: sorted at every size).")
 
 
-def _fit(d: Digest, figures) -> list:
+def _fit(d: Digest, figures: dict[str, Path]) -> list[Block]:
     if not d.fits and not d.stale_fits:
         return []
-    blocks = [("h2", "The fitted MoESD model")]
+    blocks: list[Block] = [("h2", "The fitted MoESD model")]
     for name in d.stale_fits:
         blocks.append(("note", f"The stored fit of {name} predates the expert-load variants; rerun "
                        "`mac-moesd fit` on this results file."))
@@ -397,8 +402,8 @@ def _recurrence_lines(f: dict) -> list[str]:
             f"token per layer, whatever the batch: {share:.0%} of a batch-1 verify of {tokens} tokens"]
 
 
-def _questions(d: Digest) -> list:
-    blocks = [("h2", "Answers")]
+def _questions(d: Digest) -> list[Block]:
+    blocks: list[Block] = [("h2", "Answers")]
     items = []
     moe = [m for m in d.models if m.experts and m.points]
     dense = [m for m in d.models if not m.experts and m.points]
@@ -440,12 +445,12 @@ def _questions(d: Digest) -> list:
     return blocks + [("list", items)] if items else []
 
 
-def _spec(d: Digest) -> list:
+def _spec(d: Digest) -> list[Block]:
     own = [id(doc) for p in d.pairs for doc in d.pair_spec(p).values()]  # shown with their pair
     docs = [s for s in d.spec if id(s) not in own]
     if not docs:
         return []
-    blocks = [("h2", "Measured speculative decoding")]
+    blocks: list[Block] = [("h2", "Measured speculative decoding")]
     for s in docs:
         fitted = d.fit_of(s["target"])
         rows, predictions = [], []
@@ -483,7 +488,7 @@ def _spec(d: Digest) -> list:
     return blocks
 
 
-def _method(d: Digest) -> list:
+def _method(d: Digest) -> list[Block]:
     rows, pipelined, steps = [], [], set()
     for m in d.models:
         pipe, sync = m.pipelined.get((1, 1)), m.median(1, 1)
@@ -492,12 +497,13 @@ def _method(d: Digest) -> list:
             pipelined.append(f"{m.name} {seconds(pipe['median_s'])} pipelined against {seconds(sync)} "
                              "synchronous")
         med, worst, repeats = m.cv_stats()
-        drift = [e.get("drift") for e in m.entries if e.get("drift")]
+        drift = [e["drift"] for e in m.entries if e.get("drift")]
         flagged = any(x["flagged"] for x in drift)
         layers = "/".join(str(e["layers"]) for e in m.entries)
         rows.append([m.name, m.weight_format, str(m.full["context"]), f"{layers} of {m.full['layers_full']}"
                      + (" (extrapolated)" if m.extrapolated else ""), str(repeats), pct(med), pct(worst),
                      ("FLAGGED " if flagged else "ok ") + ", ".join(f"{x['change']:+.1%}" for x in drift)])
+    blocks: list[Block]
     blocks = [("h2", "Method"),
               ("p", "Each point: warm-up, then rounds in shuffled order until the median's 95% CI is "
                     "within 1% or the time budget ends; every call forced with mx.eval on logits and "
@@ -517,11 +523,11 @@ def _method(d: Digest) -> list:
     return blocks
 
 
-def _figure(figures: dict, name: str, caption: str) -> list:
+def _figure(figures: dict[str, Path], name: str, caption: str) -> list[Block]:
     return [("figure", name, caption)] if name in figures else []
 
 
-def build_blocks(data: dict, figures: dict[str, Path]) -> list:
+def build_blocks(data: dict, figures: dict[str, Path]) -> list[Block]:
     d = Digest(data)
     return (_title(d) + pair_sections.pair_blocks(d, figures) + _verdict(d) + cluster_blocks(d)
             + _questions(d) + _roofline(d, figures) + _shape(d, figures) + _routing(d, figures)
@@ -531,24 +537,23 @@ def build_blocks(data: dict, figures: dict[str, Path]) -> list:
 # ---- renderings ----
 
 
-def to_markdown(blocks: list) -> str:
+def to_markdown(blocks: list[Block]) -> str:
     out = []
     for block in blocks:
-        kind = block[0]
-        if kind in ("h1", "h2", "h3"):
-            out.append("#" * int(kind[1]) + " " + block[1])
-        elif kind == "p":
+        if block[0] in ("h1", "h2", "h3"):
+            out.append("#" * int(block[0][1]) + " " + block[1])
+        elif block[0] == "p":
             out.append(block[1])
-        elif kind == "note":
+        elif block[0] == "note":
             out.append("> " + block[1])
-        elif kind == "list":
+        elif block[0] == "list":
             out.append("\n".join(f"{i}. {item}" for i, item in enumerate(block[1], 1)))
-        elif kind == "table":
+        elif block[0] == "table":
             headers, rows = block[1], block[2]
             lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
             lines += ["| " + " | ".join(r) + " |" for r in rows]
             out.append("\n".join(lines))
-        elif kind == "figure":
+        elif block[0] == "figure":
             out.append(f"![{block[2]}](figures/{block[1]}.png)\n\n*{block[2]}*")
     return "\n\n".join(out) + "\n"
 
@@ -566,27 +571,26 @@ CSS = ("body{font-family:-apple-system,Helvetica,Arial,sans-serif;max-width:980p
        "figcaption{font-style:italic;font-size:13px;color:#555}")
 
 
-def to_html(blocks: list, figures: dict[str, Path]) -> str:
+def to_html(blocks: list[Block], figures: dict[str, Path]) -> str:
     body = []
     for block in blocks:
-        kind = block[0]
-        if kind in ("h1", "h2", "h3"):
-            body.append(f"<{kind}>{_inline(block[1])}</{kind}>")
-        elif kind == "p":
+        if block[0] in ("h1", "h2", "h3"):
+            body.append(f"<{block[0]}>{_inline(block[1])}</{block[0]}>")
+        elif block[0] == "p":
             body.append(f"<p>{_inline(block[1])}</p>")
-        elif kind == "note":
+        elif block[0] == "note":
             body.append(f"<p class='note'>{_inline(block[1])}</p>")
-        elif kind == "list":
+        elif block[0] == "list":
             body.append("<ol>" + "".join(f"<li>{_inline(item)}</li>" for item in block[1]) + "</ol>")
-        elif kind == "table":
+        elif block[0] == "table":
             head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
             rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in block[2])
             body.append(f"<table><tr>{head}</tr>{rows}</table>")
-        elif kind == "figure":
+        elif block[0] == "figure":
             data = base64.b64encode(figures[block[1]].read_bytes()).decode()
             body.append(f"<figure><img alt='{html.escape(block[2])}' src='data:image/png;base64,{data}'>"
                         f"<figcaption>{html.escape(block[2])}</figcaption></figure>")
-    title = html.escape(blocks[0][1]) if blocks else "mac-moesd report"
+    title = html.escape(blocks[0][1]) if blocks and blocks[0][0] == "h1" else "mac-moesd report"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title>"
             f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>\n")
 

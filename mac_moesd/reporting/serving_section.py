@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mac_moesd.reporting.formatting import Block
+
 __all__ = ["draw", "render_serving", "serving_blocks", "table_rows"]
 
 
@@ -170,9 +172,9 @@ def meaning(doc: dict) -> list[str]:
     return out
 
 
-def serving_blocks(data: dict, figures: dict) -> list:
+def serving_blocks(data: dict, figures: dict) -> list[Block]:
     """The report's serving section, one part per serving measurement in the results."""
-    blocks = []
+    blocks: list[Block] = []
     for key, doc in data.get("serving", {}).items():
         most = max(doc["concurrency"])
         name = doc.get("target_name") or key

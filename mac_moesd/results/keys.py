@@ -79,8 +79,9 @@ def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) 
     return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
 
 
-def pair_key(target: str, draft: str) -> str:
-    """The key of a ``pairs`` record (and of a launched serving document): ``"<target>|<draft>"``."""
+def pair_key(target: str, draft: str | None) -> str:
+    """The key of a ``pairs`` record (and of a launched serving document): ``"<target>|<draft>"``
+    (``"<target>|None"`` for a serving document without a drafter)."""
     return f"{target}|{draft}"
 
 
@@ -92,4 +93,7 @@ def pair_spec_key(target: str, draft: str, drafter_kind: str, prompt_set: str) -
 def serving_key(urls: list[str], target: str | None, draft: str | None) -> str:
     """The key of a ``serving`` document: ``"url:<name>,..."`` for servers the user runs (by the
     names given them), else the ``pair_key`` of the launched pair."""
-    return "url:" + ",".join(urls) if urls else pair_key(target, draft)
+    if urls:
+        return "url:" + ",".join(urls)
+    assert target is not None  # launching servers needs a target (serving_stage.validate)
+    return pair_key(target, draft)

@@ -552,8 +552,8 @@ class FitDocument(TypedDict, total=False):
 class PromptsUsed(TypedDict, total=False):
     name: str
     encoding: str  # chat template, plain or random
-    count: int
-    tokens: list[int]  # [min, max]
+    count: int | None  # None where the run used random ids
+    tokens: list[int] | None  # [min, max]
 
 
 class SpecLayers(TypedDict, total=False):
@@ -598,7 +598,7 @@ class RoundAccount(TypedDict, total=False):
     rollback_s: float  # the rollback's cost times how often a round rejects; counted in round_s
     bookkeeping_s: float  # the loop's own work a round; counted in round_s
     round_s: float
-    measured_s: float  # mean tokens per round over one sequence's SD tokens/s: what round_s prices
+    measured_s: float | None  # mean tokens per round over one sequence's SD tokens/s: what round_s prices
     hidden_s: float
     tokens_per_round: float
     verify_by_tokens: dict[str, float]  # prompt lookup: the verify at each width timed, by tokens
@@ -614,7 +614,7 @@ class GreedyCheck(TypedDict, total=False):
     sequences: int
     tokens_compared: int
     mismatched: int
-    mismatch_rate: float
+    mismatch_rate: float | None  # None when no sequence was compared
     first_mismatch_at: list[int] | int | None  # per mismatched sequence (a single int in early files)
     margin: list[float | None]  # per sequence: the target's top-1 minus top-2 logit at its first mismatch
     near_tie: list[bool]  # per sequence: that margin is under the dtype's near-tie threshold
@@ -776,32 +776,32 @@ class Percentiles(TypedDict, total=False):
 
 
 class InFlight(TypedDict, total=False):
-    mean: float
-    max: int
+    mean: float | None  # None over an empty window
+    max: int | None
 
 
 class SdCounters(TypedDict, total=False):
     """A leg's draft counters as the server reported them (``measure.sd_counters``)."""
     source: str
-    drafts: int  # verify rounds
-    drafted: int  # draft tokens
-    accepted: int  # accepted draft tokens
-    accepted_by_position: list[int]
-    acceptance_rate: float
+    drafts: int | None  # verify rounds; None where the server does not report it
+    drafted: int | None  # draft tokens
+    accepted: int | None  # accepted draft tokens
+    accepted_by_position: list[int] | None
+    acceptance_rate: float | None
     note: str
     reported: bool
     why: str
 
 
 class DrafterReported(TypedDict, total=False):
-    kind: str  # e.g. "mtp", where the server names it
-    num_draft: int
+    kind: str | None  # e.g. "mtp", where the server names it
+    num_draft: int | None
 
 
 class ClientCpu(TypedDict, total=False):
     cpu_s: float
     wall_s: float
-    share_of_one_core: float
+    share_of_one_core: float | None  # None when no wall time passed
     request_cap_reached: bool
 
 
@@ -841,7 +841,7 @@ class ServingPrediction(TypedDict, total=False):
     sd_batched_tok_s: float | None
     sd_all_or_nothing_tok_s: float | None
     acceptance: float | None
-    acceptance_source: str
+    acceptance_source: str | None
     why: str
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.finite_json import finite_document
@@ -214,7 +214,7 @@ class ResultsStore:
     def section(self, name: str) -> dict:
         return self.data.setdefault(name, {})
 
-    def entry(self, section: str, key: str, header: dict) -> dict:
+    def entry(self, section: str, key: str, header: Mapping[str, Any]) -> dict:
         """The entry ``key`` of ``section``, created with ``header`` if new."""
         entries = self.section(section)
         if key not in entries:

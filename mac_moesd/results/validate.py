@@ -28,7 +28,8 @@ __all__ = ["first_problem", "read_guard"]
 
 # What a reader raises on a record that passed ``first_problem`` but lacks a key it needs, or
 # holds a null, an empty list or a zero where it needs a figure.
-_READ_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
+# AssertionError: a reader's asserts state what a file this version wrote always holds
+_READ_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError, AssertionError)
 
 _NUMBERS = (int, float)
 

@@ -116,7 +116,7 @@ def cluster_section(model: FittedModel, inputs: FitInputs) -> dict | None:
         return float(model.speedup(batch, gamma, alpha, L, verify, comm=with_comm)[()])
 
     return {**inputs.cluster, "verify_tokens": verify,
-            "rows": cluster.cluster_rows(target, model.comm, speedup, lambda g: verify_tokens(g, verify))}
+            "rows": cluster.cluster_rows(target, inputs.comm, speedup, lambda g: verify_tokens(g, verify))}
 
 
 # ---- readers of a stored fit ----

@@ -225,6 +225,8 @@ def _second_context(entries: list[dict]) -> tuple[tuple[int, int, int, float], .
     """The one-token points timed at the sweep's second context beside its grid, at full depth;
     none where the sweep timed none (or its slices were timed at different second contexts)."""
     context, points = second_context_points(entries)
+    if context is None:
+        return ()
     return tuple((b, t, context, s) for b, t, s in _as_pairs(points))
 
 

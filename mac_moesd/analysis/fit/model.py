@@ -53,7 +53,7 @@ class FittedModel:
     k_rec: float = 0.0
     linear_layers: int = 0
 
-    def target(self, batch, tokens, context: int, pipelined: bool = False, comm: bool = True,
+    def target(self, batch, tokens, context: float, pipelined: bool = False, comm: bool = True,
                active=None) -> np.ndarray:
         """T_T(B,t) at context L: Algorithm 1 for n = B*t tokens plus MagicDec's k_kv*B*L, plus the
         recurrent layers' k_rec * layers * t, plus a sharded forward's communication C(n)
@@ -79,7 +79,7 @@ class FittedModel:
                 - theory.kv_time(batch, self.one_row.context, self.k_kv, self.k_seq) - free_link)
         return np.where((n == 1) & (here > 0), here, curve)
 
-    def speedup(self, batch, gamma: int, alpha: float, context: int, verify: str = DEFAULT_VERIFY,
+    def speedup(self, batch, gamma: int, alpha: float, context: float, verify: str = DEFAULT_VERIFY,
                 self_draft: bool = False, comm: bool = True, draft_step: float | None = None,
                 reject: float | None = None, catch_up: bool | None = None) -> np.ndarray:
         """S(B, gamma) at acceptance alpha and context L, each forward timed as the loops run it
@@ -92,10 +92,10 @@ class FittedModel:
         sigma = theory.normalised_acceptance(alpha, gamma)
         plain, verify_t, draft, fitted_reject = self.step_times(batch, gamma, context, verify, self_draft, comm,
                                                                 draft_step)
-        reject = fitted_reject if reject is None or self.drafted else reject
+        reject_s = fitted_reject if reject is None or self.drafted else reject
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
         fed = self.catch_up(batch, gamma, alpha, catch_up)
-        per_round = reject + rollback + self.bookkeeping.time(batch) + fed * draft
+        per_round = reject_s + rollback + self.bookkeeping.time(batch) + fed * draft
         return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
 
     @staticmethod
@@ -123,7 +123,7 @@ class FittedModel:
                     if "target" in self.reforward else 0.0)
         return tokens_per_round * plain / (lookup_s + verify + rollback + float(self.bookkeeping.time(batch)))
 
-    def rollback_time(self, batch, gamma: int, alpha: float, context: int, self_draft: bool = False,
+    def rollback_time(self, batch, gamma: int, alpha: float, context: float, self_draft: bool = False,
                       comm: bool = True, drafter_trims: bool = False) -> np.ndarray:
         """A round's rollback, averaged over rounds: where a model re-forwards (``reforward``), the
         chance that it rolls back times a forward of the tokens it keeps
@@ -147,9 +147,9 @@ class FittedModel:
             drafter = theory.rollback_probability(alpha, gamma - 1, batch) * step
         return target + drafter
 
-    def step_times(self, batch, gamma: int, context: int, verify: str = DEFAULT_VERIFY,
+    def step_times(self, batch, gamma: int, context: float, verify: str = DEFAULT_VERIFY,
                    self_draft: bool = False, comm: bool = True,
-                   draft_step: float | None = None) -> tuple[np.ndarray, ...]:
+                   draft_step: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, np.ndarray]:
         """(plain step, verify forward, mean draft step, rejection sampling) of a round, each as
         the loops run it; a round costs gamma draft steps + the verify + rejection sampling.
         ``draft_step``: the drafter's step as timed elsewhere, which needs no fitted drafter."""
@@ -157,6 +157,7 @@ class FittedModel:
             raise MacMoesdError(NO_DRAFT)
         plain = self.target(batch, 1, context, pipelined=True, comm=comm)
         verify_t = self.target(batch, verify_tokens(gamma, verify), context, pipelined=True, comm=comm)
+        draft: np.ndarray | float
         if draft_step is not None:
             draft = draft_step
         elif self_draft:

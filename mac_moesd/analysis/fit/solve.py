@@ -43,21 +43,22 @@ def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> F
     """Every expert-load variant; the lowest held-out MAPE is chosen (ties go to the earlier,
     MoESD's ``unique`` first)."""
     fitted = [fit_variant(inputs, name) for name in variants]
-    scored = [v for v in fitted if v.heldout_mape is not None]
-    chosen = min(scored, key=lambda v: v.heldout_mape) if scored else fitted[0]
+    scored = [(v.heldout_mape, v) for v in fitted if v.heldout_mape is not None]
+    chosen = min(scored, key=lambda mv: mv[0])[1] if scored else fitted[0]
     result = FitResult(fitted, chosen.name, inputs, bookkeeping=Bookkeeping.fit(list(inputs.bookkeeping)))
     return replace(result, pipelining=measure_pipelining(result))
 
 
 def regime(result: FitResult) -> str:
     """One sentence: which expert-load regime the held-out error says this chip follows."""
-    ordered = sorted((v for v in result.variants if v.heldout_mape is not None), key=lambda v: v.heldout_mape)
+    ordered = sorted(((v.heldout_mape, v) for v in result.variants if v.heldout_mape is not None),
+                     key=lambda mv: mv[0])
     if not ordered:
         return f"no held-out points: `{result.chosen}` kept by default"
-    best = ordered[0]
+    best_mape, best = ordered[0]
     text = f"On {result.inputs.platform}, `{best.name}` fits best on held-out points: {REGIMES[best.name]}"
-    if len(ordered) > 1 and ordered[1].heldout_mape - best.heldout_mape < INDISTINCT_MAPE:
-        text += (f"; `{ordered[1].name}` is within {INDISTINCT_MAPE * 100:.1f} points of held-out MAPE, "
+    if len(ordered) > 1 and ordered[1][0] - best_mape < INDISTINCT_MAPE:
+        text += (f"; `{ordered[1][1].name}` is within {INDISTINCT_MAPE * 100:.1f} points of held-out MAPE, "
                  "so this grid does not tell them apart")
     return text + "."
 
@@ -248,4 +249,5 @@ def _solve(inputs: FitInputs, loads: str, points: list) -> _Solved:
                                 method="trf", x_scale="jac")
             if best is None or res.cost < best.cost:
                 best = res
+    assert best is not None  # the loops above always run
     return replace(solved(full_vector(best.x)), cost=float(best.cost))
