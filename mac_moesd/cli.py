@@ -103,7 +103,7 @@ def zoo_command(as_json: bool) -> None:
 @with_options(cluster_options)
 @json_option
 def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dtype, draft, gamma, routing, gather,
-                  quick, seconds_per_point, decode_chain, memory_limit, out, parallel, rank_timeout,
+                  quick, seconds_per_point, decode_chain, memory_limit_gib, out, parallel, rank_timeout,
                   as_json) -> None:
     """Time T_T(B,t): B sequences of t new tokens over a KV cache of --context tokens.
 
@@ -122,12 +122,12 @@ def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dty
         raise click.UsageError("--rank-timeout goes with --parallel")
     if parallel:
         with ProgressBar(f"sweep {cfg.model} ({parallel} parallel)") as progress:
-            document = commands.cluster_sweep(cfg, parallel, out, memory_limit, rank_timeout, progress, warn)
+            document = commands.cluster_sweep(cfg, parallel, out, memory_limit_gib, rank_timeout, progress, warn)
         if document is not None:  # only rank 0 prints
             emit(document, as_json, render_sweep)
         return
     with ProgressBar(f"sweep {model}") as progress:
-        document = commands.run_sweep(cfg, out, memory_limit, progress, warn)
+        document = commands.run_sweep(cfg, out, memory_limit_gib, progress, warn)
     emit(document, as_json, render_sweep)
 
 
@@ -140,12 +140,12 @@ def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dty
 @memory_limit_option
 @out_option()
 @json_option
-def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None:
+def roofline_command(quick, sizes, max_size, memory_limit_gib, out, as_json) -> None:
     """Measured bandwidth and FLOPS, the ridge point, and the chip's spec beside them."""
     from mac_moesd.pipeline import commands
 
     with ProgressBar("roofline") as progress:
-        document = commands.run_roofline(quick, sizes, max_size, memory_limit, out, progress, warn)
+        document = commands.run_roofline(quick, sizes, max_size, memory_limit_gib, out, progress, warn)
     emit(document, as_json, render_roofline)
 
 
@@ -169,7 +169,7 @@ def roofline_command(quick, sizes, max_size, memory_limit, out, as_json) -> None
 @memory_limit_option
 @out_option()
 @json_option
-def routing_command(model, text, batches, tokens, length, layers, tau, save_trace, memory_limit, out,
+def routing_command(model, text, batches, tokens, length, layers, tau, save_trace, memory_limit_gib, out,
                     as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
     from mac_moesd.measure.routing import RoutingConfig
@@ -177,7 +177,7 @@ def routing_command(model, text, batches, tokens, length, layers, tau, save_trac
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
                         layers=layers, tau=tau, save_trace=save_trace)
-    emit(commands.run_routing(cfg, memory_limit, out, warn), as_json, render_routing)
+    emit(commands.run_routing(cfg, memory_limit_gib, out, warn), as_json, render_routing)
 
 
 @cli.command(name="fit")
@@ -239,7 +239,7 @@ def fit_command(results, model, alpha, verify_tokens, as_json) -> None:
 @json_option
 def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram, lookup_min_ngram, context,
                  new_tokens, repeats, precision, budget_s, prompts, temperatures, max_prompts, rollback,
-                 memory_limit, out, as_json) -> None:
+                 memory_limit_gib, out, as_json) -> None:
     """Measured SD speedup against plain decode, beside the fitted model's prediction.
 
     With --mode real on a model with weights, also the drafter's acceptance on a prompt set
@@ -265,7 +265,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
                      precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
                      max_prompts=max_prompts, rollback=rollback,
                      lookup=LookupRule(lookup_max_ngram, lookup_min_ngram))
-    document = commands.run_spec(cfg, memory_limit, out, warn)
+    document = commands.run_spec(cfg, memory_limit_gib, out, warn)
     emit(document, as_json, render_spec)
     if document.get("valid") is False:
         raise MacMoesdError("a configuration failed its SD audit (see INVALID above): its speedup is not "
@@ -357,7 +357,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
               help="Also measure mlx_lm.server on the pair at several concurrencies (see `mac-moesd serving`).")
 @rollback_option
 @json_option
-def run_command(quick, full, models, target, draft, alpha, prompt_sets, out, memory_limit, dry_run, chip,
+def run_command(quick, full, models, target, draft, alpha, prompt_sets, out, memory_limit_gib, dry_run, chip,
                 memory_gib, ranks, parallel, link_gbps, serving, rollback, as_json) -> None:
     """Everything for the default models: roofline, sweeps, routing, fit, SD runs, report.
 
@@ -382,10 +382,10 @@ def run_command(quick, full, models, target, draft, alpha, prompt_sets, out, mem
         options = replace(options, alpha=alpha)
     if dry_run:
         cluster = (ranks, parallel or "tensor", link_gbps) if ranks > 1 else None
-        emit(commands.dry_run(options, out, memory_limit, chip, memory_gib, cluster), as_json, render_plan)
+        emit(commands.dry_run(options, out, memory_limit_gib, chip, memory_gib, cluster), as_json, render_plan)
         return
     with ProgressBar("run") as progress:
-        done = commands.run(options, out, memory_limit, progress, warn)
+        done = commands.run(options, out, memory_limit_gib, progress, warn)
     status = finish_run(done, as_json)
     if status:
         sys.exit(status)

@@ -75,7 +75,7 @@ def with_options(options):
 
 
 memory_limit_option = click.option(
-    "--memory-limit", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
+    "--memory-limit", "memory_limit_gib", type=click.FloatRange(0, min_open=True), default=None, metavar="GiB",
     help="Cap usable memory at this many GiB (or set MAC_MOESD_MEMORY_LIMIT); guards, slicing "
          "and skipping then plan within it.")
 

@@ -135,7 +135,7 @@ def mlx_held_bytes() -> int:
     return mx.get_active_memory() + mx.get_cache_memory()
 
 
-def usable(limit: int | None = None) -> Usable:
+def usable(limit_bytes: int | None = None) -> Usable:
     """Usable memory on this machine now."""
     info = hardware.mlx_device_info()
     held = mlx_held_bytes()
@@ -144,16 +144,16 @@ def usable(limit: int | None = None) -> Usable:
         text = hardware.run_tool(["vm_stat"])
         free = vm_stat_free_bytes(text)
         free = None if free is None else free + held
-        return usable_from(ceiling, free, limit, "Metal working set and vm_stat")
+        return usable_from(ceiling, free, limit_bytes, "Metal working set and vm_stat")
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
-        return usable_from(info.get("memory_size"), None, limit, "CUDA device memory")
+        return usable_from(info.get("memory_size"), None, limit_bytes, "CUDA device memory")
     free = None
     if platform.system() == "Linux":
         free = hardware.parse_meminfo(hardware.read_text("/proc/meminfo")).get("MemAvailable")
     free = None if free is None else free + held
     total = info.get("memory_size")
-    return usable_from(total, free, limit, "MemAvailable" if free is not None else "device memory")
+    return usable_from(total, free, limit_bytes, "MemAvailable" if free is not None else "device memory")
 
 
 def release() -> None:

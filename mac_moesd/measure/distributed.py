@@ -284,23 +284,23 @@ def open_results(cluster: Cluster, out: Path | None) -> tuple[ResultsStore, dict
     return store, meta
 
 
-def run_cluster_sweep(cfg: SweepConfig, parallel: str, out: Path | None, memory_limit: int | None,
+def run_cluster_sweep(cfg: SweepConfig, parallel: str, out: Path | None, memory_limit_bytes: int | None,
                       timeout: float, progress: Progress) -> dict | None:
     """Join the ranks, measure the sharded sweep and its communication; rank 0 gets the sweep
     document (with ``ranks``, ``backend``, ``hosts``, ``parallel`` and per-point communication),
     the other ranks None."""
     cluster = join(parallel, timeout)
     try:
-        return _measure(cluster, cfg, out, memory_limit, progress if cluster.rank == 0 else Progress())
+        return _measure(cluster, cfg, out, memory_limit_bytes, progress if cluster.rank == 0 else Progress())
     except RuntimeError as err:  # MLX's report of a lost peer
         raise MacMoesdError(f"rank {cluster.rank}: lost the other ranks ({err}); {RESUME}") from None
     finally:
         cluster.watchdog.stop()
 
 
-def _measure(cluster: Cluster, cfg: SweepConfig, out, memory_limit, progress: Progress) -> dict | None:
+def _measure(cluster: Cluster, cfg: SweepConfig, out, memory_limit_bytes, progress: Progress) -> dict | None:
     store, meta = open_results(cluster, out)
-    usable = memory.usable(memory_limit).usable_bytes
+    usable = memory.usable(memory_limit_bytes).usable_bytes
     agreed = None if usable is None else -cluster.largest([-usable])[0]
     sharded_by: dict = {}
     build = sharded_builder(cluster, sharded_by)

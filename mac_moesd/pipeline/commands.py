@@ -69,10 +69,10 @@ def budget_from(quick: bool, seconds: float | None, decode_chain: int | None = N
     return budget if decode_chain is None else replace(budget, decode_chain=decode_chain)
 
 
-def run_sweep(cfg: sweep.SweepConfig, out: Path | None, memory_limit: float | None, progress: Progress,
+def run_sweep(cfg: sweep.SweepConfig, out: Path | None, memory_limit_gib: float | None, progress: Progress,
               warn: Warn) -> dict:
     """`mac-moesd sweep` on one machine."""
-    usable = usable_memory(memory_limit)
+    usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
     with hardware.measuring_stage():
         document = sweep.run_sweep(cfg, store, usable.usable_bytes, progress)
@@ -81,12 +81,12 @@ def run_sweep(cfg: sweep.SweepConfig, out: Path | None, memory_limit: float | No
     return _stored(document, meta, store)
 
 
-def cluster_sweep(cfg: sweep.SweepConfig, parallel: str, out: Path | None, memory_limit: float | None,
+def cluster_sweep(cfg: sweep.SweepConfig, parallel: str, out: Path | None, memory_limit_gib: float | None,
                   rank_timeout: float | None, progress: Progress, warn: Warn) -> dict | None:
     """The sweep of a model sharded over the ranks of mlx.launch; None on ranks other than 0."""
     from mac_moesd.measure import distributed
 
-    document = distributed.run_cluster_sweep(cfg, parallel, out, memory.limit_bytes(memory_limit),
+    document = distributed.run_cluster_sweep(cfg, parallel, out, memory.limit_bytes(memory_limit_gib),
                                              rank_timeout or distributed.DEFAULT_TIMEOUT_S, progress)
     if document is not None:
         meta = document["meta"]
@@ -97,7 +97,7 @@ def cluster_sweep(cfg: sweep.SweepConfig, parallel: str, out: Path | None, memor
 
 
 def run_roofline(quick: bool, sizes_mib: tuple[float, ...] | None, max_size_mib: float | None,
-                 memory_limit: float | None, out: Path | None, progress: Progress, warn: Warn) -> dict:
+                 memory_limit_gib: float | None, out: Path | None, progress: Progress, warn: Warn) -> dict:
     """`mac-moesd roofline`: the configuration from the options, checked against the memory usable."""
     cfg = roofline.QUICK if quick else roofline.RooflineConfig()
     if sizes_mib:
@@ -108,7 +108,7 @@ def run_roofline(quick: bool, sizes_mib: tuple[float, ...] | None, max_size_mib:
     if max_size_mib:
         cap = roofline.sizes_from_mib((max_size_mib,))[0]
         cfg = replace(cfg, sizes=tuple(s for s in cfg.sizes if s <= cap) or (cap,))
-    usable = usable_memory(memory_limit)
+    usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
     roofline.validate(cfg, usable.usable_bytes, cap)
     progress.expect(len(cfg.sizes) + 4 + len(cfg.dtypes) + 2)
@@ -122,9 +122,9 @@ def run_roofline(quick: bool, sizes_mib: tuple[float, ...] | None, max_size_mib:
     return _stored(document, meta, store)
 
 
-def run_routing(cfg: routing.RoutingConfig, memory_limit: float | None, out: Path | None, warn: Warn) -> dict:
+def run_routing(cfg: routing.RoutingConfig, memory_limit_gib: float | None, out: Path | None, warn: Warn) -> dict:
     """`mac-moesd routing`."""
-    usable = usable_memory(memory_limit)
+    usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
     with hardware.measuring_stage():
         document = routing.run_routing(cfg, usable.usable_bytes)
@@ -183,9 +183,9 @@ def stored_predictor(store: ResultsStore, target: str, warn: Warn, drafter_kind:
     return predictor
 
 
-def run_spec(cfg: spec.SpecConfig, memory_limit: float | None, out: Path | None, warn: Warn) -> dict:
+def run_spec(cfg: spec.SpecConfig, memory_limit_gib: float | None, out: Path | None, warn: Warn) -> dict:
     """`mac-moesd spec`: measured SD beside the stored fit's prediction."""
-    usable = usable_memory(memory_limit)
+    usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
     predictor = stored_predictor(store, cfg.target, warn, cfg.drafter_kind)
     with hardware.measuring_stage():
@@ -233,13 +233,13 @@ class RunResult:
     paths: dict[str, Path]
 
 
-def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Progress, warn: Warn) -> RunResult:
+def run(options: RunOptions, out: Path, memory_limit_gib: float | None, progress: Progress, warn: Warn) -> RunResult:
     """`mac-moesd run`: the pair's stages (``--target``, or on a GPU a known pair found cached)
     or the zoo's, then the report."""
     from mac_moesd.measure import serving_stage
     from mac_moesd.reporting import report
 
-    limit = memory.limit_bytes(memory_limit)
+    limit_bytes = memory.limit_bytes(memory_limit_gib)
     machine, meta, store = open_store(out, warn, per_chip=True)
     serving_cfg = serving_stage.stage_config(options.quick) if options.serving else None
     chosen: list[plans.PairPlan] | None = None
@@ -250,38 +250,38 @@ def run(options: RunOptions, out: Path, memory_limit: float | None, progress: Pr
         raise BadInput("--prompts needs --target and --draft here (the cached-pair search runs on a GPU only)")
     elif machine.backend != "cpu" and not options.models and not options.full:
         pair, search = plans.find_default_pair(machine.backend, options.quick,
-                                               memory.usable(limit).usable_bytes, options.prompt_sets)
+                                               memory.usable(limit_bytes).usable_bytes, options.prompt_sets)
         chosen = [pair] if pair is not None else None
         store.put("pair_search", "latest", search.to_dict())
         if chosen is None:
             warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
                  "models (the report says so)")
-    spec_dict = machine.to_dict()["spec"]
+    chip_spec = machine.to_dict()["spec"]
     if chosen:
         chosen = [replace(plan, base=replace(plan.base, rollback=options.rollback)) for plan in chosen]
-        outcome = pair_stages.run_pair(chosen, store, machine, spec_dict, progress, limit, serving_cfg)
+        outcome = pair_stages.run_pair(chosen, store, machine, chip_spec, progress, limit_bytes, serving_cfg)
     else:
         plan = plans.default_plan(machine.backend, options.quick, options.full)
         if options.models:
             plan = plans.with_models(plan, options.models)
         plan = replace(plan, rollback=options.rollback)
-        outcome = stages.run_all(plan, store, machine, spec_dict, progress, limit, options.serving)
+        outcome = stages.run_all(plan, store, machine, chip_spec, progress, limit_bytes, options.serving)
     progress.note("report")
     paths = report.write_report(store.data, store.path.parent)
     return RunResult(outcome, store, paths)
 
 
-def _planned_machine(chip: str | None, memory_gib: float | None, memory_limit: float | None,
+def _planned_machine(chip: str | None, memory_gib: float | None, memory_limit_gib: float | None,
                      out: Path | None) -> tuple[str, str, int | None, memory.Usable, estimate.Rates | None]:
     """Backend, chip name, RAM, usable memory and rates of the machine a dry run plans for: the
     table's ``chip`` with ``memory_gib`` of RAM, or this one (its RAM as ``memory_gib`` says)."""
-    limit = memory.limit_bytes(memory_limit)
+    limit_bytes = memory.limit_bytes(memory_limit_gib)
     if chip:
         if memory_gib is None:
             raise BadInput("--chip needs --memory GiB (the Mac's RAM)")
         found = estimate.parse_chip(chip)
         ram = int(memory_gib * memory.GiB)
-        usable = memory.usable_from(memory.working_set_bytes(ram), None, limit,
+        usable = memory.usable_from(memory.working_set_bytes(ram), None, limit_bytes,
                                     "working set of a Mac with this RAM (2/3 of it up to 32 GiB, 3/4 above; "
                                     "docs/design.md §5); nothing else assumed running")
         return "metal", f"{found.name} {found.gpu_cores}c", ram, usable, estimate.chip_rates(found)
@@ -290,23 +290,23 @@ def _planned_machine(chip: str | None, memory_gib: float | None, memory_limit: f
     if memory_gib is not None:
         total = int(memory_gib * memory.GiB)
         ceiling = memory.working_set_bytes(total) if machine.backend == "metal" else total
-        usable = memory.usable_from(ceiling, None, limit, "--memory")
+        usable = memory.usable_from(ceiling, None, limit_bytes, "--memory")
     else:
-        usable = memory.usable(limit)
+        usable = memory.usable(limit_bytes)
     rates = estimate.measured_rates((out or Path("reports")) / machine.slug / "results.json")
     if rates is None and machine.spec is not None:
         rates = estimate.chip_rates(machine.spec)
     return machine.backend, machine.chip, total, usable, rates
 
 
-def dry_run(options: RunOptions, out: Path | None, memory_limit: float | None, chip: str | None = None,
+def dry_run(options: RunOptions, out: Path | None, memory_limit_gib: float | None, chip: str | None = None,
             memory_gib: float | None = None, cluster: tuple[int, str, float | None] | None = None) -> dict:
     """The plan of ``run`` for this machine, or for ``chip`` with ``memory_gib`` GiB; nothing
     allocated. ``cluster`` (ranks, parallel, link Gb/s): the sharded sweeps over that many such
     machines."""
     from mac_moesd.measure import serving_stage
 
-    backend, name, total, usable, rates = _planned_machine(chip, memory_gib, memory_limit, out)
+    backend, name, total, usable, rates = _planned_machine(chip, memory_gib, memory_limit_gib, out)
     found: list[plans.PairPlan] | None = None
     if options.target:
         found = plans.pair_plans(backend, options.quick, options.target, options.drafts, options.prompt_sets,

@@ -237,13 +237,13 @@ def pair_stages(plans: PairPlan | list[PairPlan], serving=None) -> list[Stage]:
             *([_serving(served[0], serving)] if serving else [])]
 
 
-def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, spec_dict: schema.ChipSpec | None,
-             progress: Progress = Progress(), memory_limit: int | None = None, serving=None) -> Outcome:
+def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, chip_spec: schema.ChipSpec | None,
+             progress: Progress = Progress(), memory_limit_bytes: int | None = None, serving=None) -> Outcome:
     """Measure every missing stage of the pair run into ``store`` (``runner.run_stages``), after
     recording what it measures (one ``pairs`` entry per drafter)."""
     plans = [plans] if isinstance(plans, PairPlan) else plans
     stages = pair_stages(plans, serving)  # refuses what cannot run before anything is recorded
     for plan in plans:
         record_pair(store, plan)
-    ctx = Context(store, machine.backend, spec_dict, Outcome(), progress)
-    return run_stages(stages, ctx, memory_limit)
+    ctx = Context(store, machine.backend, chip_spec, Outcome(), progress)
+    return run_stages(stages, ctx, memory_limit_bytes)

@@ -58,7 +58,7 @@ class Context:
 
     store: ResultsStore
     backend: str
-    spec: schema.ChipSpec | None
+    chip_spec: schema.ChipSpec | None  # its published figures
     outcome: Outcome
     progress: Progress = field(default_factory=Progress)
     usable_bytes: int | None = None
@@ -90,25 +90,26 @@ class _Within(Progress):
         self._run.note(label)
 
 
-def run_stages(stages: list[Stage], ctx: Context, memory_limit: int | None = None) -> Outcome:
+def run_stages(stages: list[Stage], ctx: Context, memory_limit_bytes: int | None = None) -> Outcome:
     """Run every stage into ``ctx.store`` (each saved as soon as it is done), one progress step
     each; a stage that fails is skipped with its reason and the stages after it still run. Each
-    stage plans within the memory usable when it starts, capped by ``memory_limit`` bytes."""
+    stage plans within the memory usable when it starts, capped by ``memory_limit_bytes``."""
     ctx.progress.expect(len(stages))
     for stage in stages:
         ctx.progress.note(stage.label)
         if stage.done is not None and stage.done(ctx.store.data):
             _ran(ctx.store, ctx.outcome, stage.label)
         else:
-            isolated(ctx.store, ctx.outcome, stage.label, _measuring(stage, ctx, memory_limit), stage.device_state)
+            isolated(ctx.store, ctx.outcome, stage.label, _measuring(stage, ctx, memory_limit_bytes),
+                     stage.device_state)
         ctx.progress.advance(stage.label)
     return ctx.outcome
 
 
-def _measuring(stage: Stage, ctx: Context, memory_limit: int | None) -> Callable[[], None]:
+def _measuring(stage: Stage, ctx: Context, memory_limit_bytes: int | None) -> Callable[[], None]:
     """The stage's work with the memory usable as it starts, its progress named inside the run's."""
     def work() -> None:
-        stage.work(replace(ctx, usable_bytes=memory.usable(memory_limit).usable_bytes,
+        stage.work(replace(ctx, usable_bytes=memory.usable(memory_limit_bytes).usable_bytes,
                            progress=_Within(ctx.progress)))
 
     return work

@@ -29,7 +29,7 @@ def roofline_stage(plan: Plan) -> Stage:
     def work(ctx: Context) -> None:
         cfg, shrunk = roofline.fit_memory(plan.roofline, ctx.usable_bytes)
         memory.start_stage()
-        ctx.store.data["roofline"] = roofline.run_roofline(cfg, ctx.spec, ctx.backend, ctx.progress.advance,
+        ctx.store.data["roofline"] = roofline.run_roofline(cfg, ctx.chip_spec, ctx.backend, ctx.progress.advance,
                                                            usable_bytes=ctx.usable_bytes, shrunk=shrunk)
         ctx.store.save()
 
@@ -116,10 +116,10 @@ def default_stages(plan: Plan, serving: bool = False) -> list[Stage]:
             *([_random_weights_serving()] if serving else [])]
 
 
-def run_all(plan: Plan, store: ResultsStore, machine, spec_dict: schema.ChipSpec | None, progress: Progress = Progress(),
-            memory_limit: int | None = None, serving: bool = False) -> Outcome:
+def run_all(plan: Plan, store: ResultsStore, machine, chip_spec: schema.ChipSpec | None,
+            progress: Progress = Progress(), memory_limit_bytes: int | None = None, serving: bool = False) -> Outcome:
     """Measure every missing stage of ``plan`` into ``store`` (``runner.run_stages``); with
     ``serving``, a serving stage is listed and skipped with why (the default models have random
     weights)."""
-    ctx = Context(store, machine.backend, spec_dict, Outcome(), progress)
-    return run_stages(default_stages(plan, serving), ctx, memory_limit)
+    ctx = Context(store, machine.backend, chip_spec, Outcome(), progress)
+    return run_stages(default_stages(plan, serving), ctx, memory_limit_bytes)

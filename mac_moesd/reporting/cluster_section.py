@@ -4,18 +4,11 @@ fitted model's SD predictions on that cluster (with the link as measured and wit
 from __future__ import annotations
 
 from mac_moesd.analysis.digest import Digest
-from mac_moesd.reporting.formatting import Block, seconds
+from mac_moesd.reporting.formatting import Block
+from mac_moesd.reporting.numbers import f2, pct, seconds
 from mac_moesd.results import parse_point_key
 
 __all__ = ["cluster_blocks"]
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
-def _f2(x) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 def cluster_blocks(d: Digest) -> list[Block]:
@@ -39,7 +32,7 @@ def cluster_blocks(d: Digest) -> list[Block]:
             kinds = "; ".join(f"{o['count']} x {o['op']} of {o['bytes']} B at {seconds(o['median_s'])}"
                               for o in point["ops"])
             rows.append([str(batch), str(tokens), seconds(total) if total else "-", seconds(point["total_s"]),
-                         _pct(point["total_s"] / total if total else None), kinds])
+                         pct(point["total_s"] / total if total else None), kinds])
         blocks.append(("h3", f"{entry['model']}: communication per forward"))
         blocks.append(("table", ["B", "t", "T_T", "communication", "share", "collectives"], rows))
     for fit in d.fits:
@@ -58,8 +51,8 @@ def cluster_blocks(d: Digest) -> list[Block]:
                            "the tokens of a forward, so a verify window pays it once for all its tokens and "
                            "less of it per token than a plain step (last column); whether its share of the "
                            "forward falls too depends on how fast the rest of the forward grows."))
-        rows = [[str(r["batch"]), str(r["gamma"]), _f2(r["speedup"]), _f2(r["speedup_free_link"]),
-                 _pct(r["comm_share_plain"]), _pct(r["comm_share_verify"]),
+        rows = [[str(r["batch"]), str(r["gamma"]), f2(r["speedup"]), f2(r["speedup_free_link"]),
+                 pct(r["comm_share_plain"]), pct(r["comm_share_verify"]),
                  f"{seconds(r['comm_per_token_plain_s'])} / {seconds(r['comm_per_token_verify_s'])}"]
                 for r in section["rows"]]
         alpha = section["rows"][0]["alpha"] if section["rows"] else None

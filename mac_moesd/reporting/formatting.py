@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from mac_moesd.machine import thermal
 from mac_moesd.units import gib, human_bytes
+from mac_moesd.reporting.numbers import num, seconds
 
 if TYPE_CHECKING:
     from mac_moesd.analysis.fit.document import RunPrediction
@@ -25,15 +26,6 @@ def si(value: float | None, unit: str, digits: int = 3) -> str:
         if abs(value) >= factor:
             return f"{value / factor:.{digits}g} {prefix}{unit}"
     return f"{value:.{digits}g} {unit}"
-
-
-def seconds(value: float) -> str:
-    """Seconds as s, ms or us with three significant digits."""
-    if value >= 1:
-        return f"{value:.3g} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.3g} ms"
-    return f"{value * 1e6:.3g} us"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -300,13 +292,9 @@ def render_routing(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _num(v: float | None, fmt: str = ".4g") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
 def by_position(rates: list[float | None]) -> str:
     """Acceptance by draft position, "-" where no round offered that position (prompt lookup)."""
-    return " ".join(_num(v, ".2f") for v in rates)
+    return " ".join(num(v, ".2f") for v in rates)
 
 
 def pipelining_lines(pipe: dict | None) -> list[str]:
@@ -447,7 +435,7 @@ def render_fit(doc: dict) -> str:
         "",
         "expert-load variants (held-out MAPE):",
         table(["variant", "held-out MAPE", "knee (tokens)", ""],
-              [[v["name"], _num(v["heldout_mape"], ".1%"), f"{v['knee_tokens']:.1f}",
+              [[v["name"], num(v["heldout_mape"], ".1%"), f"{v['knee_tokens']:.1f}",
                 "chosen" if v["name"] == doc["chosen"] else ""] for v in doc["variants"]]),
         doc["regime"],
         *pipelining_lines(doc.get("pipelining")),
@@ -455,7 +443,7 @@ def render_fit(doc: dict) -> str:
         "",
         f"parameters of `{doc['chosen']}`:",
         table(["parameter", "value", "lower", "upper"],
-              [[k, _num(v), f"{doc['bounds'][k][0]:.3g}",
+              [[k, num(v, ".4g"), f"{doc['bounds'][k][0]:.3g}",
                 "inf" if doc["bounds"][k][1] is None else f"{doc['bounds'][k][1]:.3g}"] for k, v in p.items()]
               + [["k_kv", f"{doc['k_kv']:.4g}", "0", "inf"],
                  ["k_seq", f"{doc.get('k_seq', 0.0):.4g}", "0", "inf" if (doc.get("kv") or {}).get("separated") else "0"],
@@ -559,8 +547,8 @@ def render_spec(doc: dict) -> str:
         err = ("" if r["predicted_speedup"] is None
                else f"{r['predicted_speedup'] / r['measured_speedup'] - 1:+.0%}")
         rows.append([str(r["batch"]), *([f"{r['temperature']:g}"] if many_temperatures else []),
-                     str(r["gamma"]), str(r["gamma"] + 1), _num(r["alpha"], ".2f"),
-                     _num(r.get("mean_accepted"), ".2f"), r["mode"],
+                     str(r["gamma"]), str(r["gamma"] + 1), num(r["alpha"], ".2f"),
+                     num(r.get("mean_accepted"), ".2f"), r["mode"],
                      f"{r['tokens_per_s_plain']:.1f}", f"{r['tokens_per_s_sd']:.1f}",
                      measured_speedup(r), pred, err, rollback_cell(r)])
     prompts = doc.get("prompts") or {}
@@ -595,7 +583,7 @@ def render_spec(doc: dict) -> str:
                 acc_rows.append([f"{a['temperature']:g}", str(a["gamma"]), rule, how,
                                  by_position(stats["acceptance_by_position"]),
                                  f"{stats['mean_accepted']:.2f}", f"{stats['sigma']:.2f}",
-                                 _num(stats["alpha"], ".2f")])
+                                 num(stats["alpha"], ".2f")])
         lines.append(table(["temp", "gamma", "rule", "how", "accepted by position", "accepted/round",
                             "sigma", "alpha"], acc_rows))
         for a in doc["acceptance"]:

@@ -23,19 +23,12 @@ from mac_moesd.results import parse_point_key
 from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, lookup_lines, measured_speedup, plain_vs_sweep,
                                              newer_fit_note, precision_note, predicted_cells, kv_lines, one_row_lines,
                                              pipelining_lines, rollback_cell, roofline_shrunk_line, round_cell,
-                                             routing_sentence, seconds, throttled_lines, Block)
+                                             routing_sentence, throttled_lines, Block)
+from mac_moesd.reporting.numbers import f2, pct, seconds
 
 __all__ = ["build_blocks", "write_report"]
 
 TYPICAL_ALPHA = theory.DEFAULT_ALPHA
-
-
-def f2(x: float) -> str:
-    return f"{x:.2f}"
-
-
-def pct(x: float) -> str:
-    return f"{x:.1%}"
 
 
 # ---- sections ----

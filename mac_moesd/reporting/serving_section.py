@@ -6,16 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from mac_moesd.reporting.formatting import Block
+from mac_moesd.reporting.numbers import ms, num
 
 __all__ = ["draw", "render_serving", "serving_blocks", "table_rows"]
-
-
-def _num(x, fmt: str = "{:.0f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
 
 
 def table_rows(doc: dict, prompts: str) -> list[list[str]]:
@@ -32,16 +25,16 @@ def table_rows(doc: dict, prompts: str) -> list[list[str]]:
             if leg is None:
                 row += ["-", "-"]
                 continue
-            value = _num(leg["aggregate_tok_s"])
+            value = num(leg["aggregate_tok_s"], ".0f")
             if leg["status"] != "ok":
                 value += " (failed)"
             plain = legs.get(("plain", c))
             if name != "plain" and plain and plain["aggregate_tok_s"]:
                 value += f" ({leg['aggregate_tok_s'] / plain['aggregate_tok_s']:.2f}x)"
             flight = leg["in_flight"]
-            row += [value, f"{_num(flight['mean'], '{:.1f}')} / {_num(flight['max'])}"]
+            row += [value, f"{num(flight['mean'], '.1f')} / {num(flight['max'], '.0f')}"]
         p = predicted.get(c, {})
-        row += [_num(p.get("plain_tok_s")), _num(p.get("sd_batched_tok_s")), _num(p.get("sd_all_or_nothing_tok_s"))]
+        row += [num(p.get(k), ".0f") for k in ("plain_tok_s", "sd_batched_tok_s", "sd_all_or_nothing_tok_s")]
         rows.append(row)
     return rows
 
@@ -56,9 +49,9 @@ def table_headers(doc: dict) -> list[str]:
 def latency_rows(doc: dict) -> list[list[str]]:
     return [[leg["server"], leg["prompts"], str(leg["concurrency"]), str(leg["requests"]),
              f"{leg['failed']}" + (f" ({leg['status']})" if leg["status"] != "ok" else ""),
-             _ms(leg["ttft_s"]["p50"]), _ms(leg["ttft_s"]["p95"]), _ms(leg["itl_s"]["p50"]),
-             _ms(leg["itl_s"]["p95"]), _num(leg["per_request_tok_s"]["p50"], "{:.1f}"),
-             _num(leg["client_cpu"].get("share_of_one_core"), "{:.0%}")]
+             ms(leg["ttft_s"]["p50"]), ms(leg["ttft_s"]["p95"]), ms(leg["itl_s"]["p50"]),
+             ms(leg["itl_s"]["p95"]), num(leg["per_request_tok_s"]["p50"], ".1f"),
+             num(leg["client_cpu"].get("share_of_one_core"), ".0%")]
             for leg in doc["legs"]]
 
 
@@ -85,7 +78,7 @@ def counter_rows(doc: dict) -> list[list[str]]:
             continue
         rate = c.get("acceptance_rate")
         rows.append([f"{leg['server']} x{leg['concurrency']} {leg['prompts']}", c.get("source", "-"),
-                     _num(c.get("drafts")), _num(c.get("drafted")), _num(c.get("accepted")),
+                     num(c.get("drafts"), ".0f"), num(c.get("drafted"), ".0f"), num(c.get("accepted"), ".0f"),
                      "-" if rate is None else f"{rate:.2f}",
                      " ".join(str(n) for n in c["accepted_by_position"]) if c.get("accepted_by_position") else "-",
                      drafter_reported(leg)])
