@@ -85,7 +85,9 @@ def test_knee_from_a_synthetic_curve():
 
 
 def test_run_roofline_document():
-    doc = roofline.run_roofline(TINY, spec=None, backend="cpu")
+    steps: list[str] = []
+    doc = roofline.run_roofline(TINY, spec=None, backend="cpu", progress=steps.append)
+    assert len(steps) == roofline.progress_steps(TINY)  # what a progress bar expects
     for key in ("bandwidth_gbs", "flops_tflops", "ridge_flop_per_byte", "backend", "spec"):
         assert key in doc
     assert set(doc["bandwidth_gbs"]) >= {"read", "copy", "triad"}

@@ -192,8 +192,10 @@ def test_url_needs_only_the_completions_route(tmp_path):
     with FakeServer("models-empty") as url:
         cfg = serving_stage.ServingConfig(urls=(("local", url),), concurrency=(1,), tokens=8, prompts=("code",),
                                           window_s=0.2, warmup_s=0.0)
-        doc = serving_stage.run_serving(cfg, store(tmp_path / "a"), "cpu")
+        steps: list[str] = []
+        doc = serving_stage.run_serving(cfg, store(tmp_path / "a"), "cpu", steps.append)
         assert doc["server"][0]["models"] == ["fake-model"] and doc["legs"][0]["requests"] > 0
+        assert len(steps) == serving_stage.progress_steps(cfg)  # what a progress bar expects
         named = serving_stage.run_serving(replace(cfg, served_model="my-model"), store(tmp_path / "b"), "cpu")
         assert named["server"][0]["models"] == ["my-model"]
 

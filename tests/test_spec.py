@@ -90,12 +90,14 @@ def test_bad_spec_config(kw):
         small("self-draft" if "mode" not in kw else kw.pop("mode"), **kw)
 
 
-def test_cli_spec_json(tmp_path, config_dir):
+def test_cli_spec_json(tmp_path, config_dir, monkeypatch):
     from mac_moesd.inputs import models
 
     # A folder drafter given as a path with a trailing slash: stored under its folder's name, the
     # key every other command (serving, the report) looks it up by.
     folder = config_dir(models.resolve("tiny-draft").config, "my-draft")
+    resolved, resolve = [], models.resolve
+    monkeypatch.setattr(models, "resolve", lambda model: resolved.append(model) or resolve(model))
     result = CliRunner().invoke(cli, ["spec", "tiny-moe", "--draft", f"{folder}/", "--batch", "1",
                                       "--gamma", "2", "--tokens", "4", "--repeats", "1",
                                       "--context", "8", "--out", str(tmp_path), "--json"])
@@ -106,6 +108,7 @@ def test_cli_spec_json(tmp_path, config_dir):
     assert "no fit of tiny-moe" in result.stderr
     assert doc["draft"] == "my-draft"
     assert list(json.loads((tmp_path / "results.json").read_text())["spec"]) == ["tiny-moe|my-draft|emulated-acceptance"]
+    assert resolved == ["tiny-moe", f"{folder}/"]  # once each per command, the sources passed down
 
 
 def test_a_runs_prediction_takes_the_acceptance_it_realised():

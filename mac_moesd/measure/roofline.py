@@ -32,7 +32,8 @@ from mac_moesd.errors import BadInput
 from mac_moesd.results import schema
 from mac_moesd.units import MiB, gib
 
-__all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "run_config", "run_roofline", "weight_copies"]
+__all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "progress_steps", "run_config", "run_roofline",
+           "weight_copies"]
 
 # The STREAM sizes per array, the one schedule every command reads: the default's go from
 # cache-resident to far past the system-level cache; --quick takes three of that range; ``run`` on
@@ -87,6 +88,15 @@ def run_config(backend: str, quick: bool) -> RooflineConfig:
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GEMV_COLS = 4096
+# The GEMV weights timed: (label, bits), unquantized ones in the dtype their label names.
+GEMV_WEIGHTS = (("float32", None), ("float16", None), ("q8", 8), ("q4", 4))
+QMM_BITS = (4, 8)  # the quantized matmul curves
+
+
+def progress_steps(cfg: RooflineConfig) -> int:
+    """The steps ``run_roofline`` reports: each STREAM size, GEMV weight, matmul dtype and
+    quantized curve."""
+    return len(cfg.sizes) + len(GEMV_WEIGHTS) + len(cfg.dtypes) + len(QMM_BITS)
 
 
 ALIGN = 4 * kernels.READ_ROW  # array sizes are whole rows of the read twin
@@ -347,8 +357,8 @@ def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[st
     activation keep it (a float32 source would time the float32 kernel on a GPU)."""
     out: dict[str, schema.GemvRow] = {}
     rows, cols = gemv_shape(cfg.gemv_bytes)
-    for label, dtype, bits in (("float32", mx.float32, None), ("float16", mx.float16, None),
-                               ("q8", compute_dtype, 8), ("q4", compute_dtype, 4)):
+    for label, bits in GEMV_WEIGHTS:
+        dtype = DTYPES[label] if bits is None else compute_dtype
         x = mx.random.uniform(0.5, 1.5, (1, cols), dtype=dtype)
         launch: Callable[..., mx.array]
         if bits is None:
@@ -405,7 +415,7 @@ def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[schema.QmmRow]:
     from ``dtype`` (the models' dtype), so the input is not promoted."""
     rows_out, cols = cfg.qmm_shape
     rows: list[schema.QmmRow] = []
-    for bits in (4, 8):
+    for bits in QMM_BITS:
         copies = weight_copies(lambda bits=bits: mx.quantize(
             _stochastic(rows_out, cols, dtype), group_size=64, bits=bits), cfg.distinct_bytes)
         launch = lambda x, wq, s, b, bits=bits: mx.quantized_matmul(  # noqa: E731
@@ -487,7 +497,7 @@ def run_roofline(
     main_dtype = "float16" if compute_dtype == mx.float16 else "float32"
     ridge = ridge_by_dtype[main_dtype]
     knees = {}
-    for bits in (4, 8):
+    for bits in QMM_BITS:
         rows = [r for r in curve if r["bits"] == bits]
         knees[str(bits)] = knee_tokens([r["tokens"] for r in rows], [r["median_s"] for r in rows])
     document: schema.Roofline = {

@@ -22,7 +22,7 @@ from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
 from mac_moesd.measure import sd_counters, server_process, serving
 from mac_moesd.results import ResultsStore, keys, load_results
 
-__all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "run_serving", "validate"]
+__all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "progress_steps", "run_serving", "validate"]
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 PROBE_TIMEOUT_S = 10.0
@@ -202,6 +202,12 @@ def _leg(cfg: ServingConfig, url: str, model: str, concurrency: int, prompt_set,
 
 def prompt_set_label(prompt_set) -> str:
     return prompt_set.name
+
+
+def progress_steps(cfg: ServingConfig) -> int:
+    """The steps ``run_serving`` reports: each leg of each server, and each server it starts."""
+    servers = len(cfg.urls) or (2 if cfg.draft else 1)
+    return servers * (len(cfg.concurrency) * len(cfg.prompts) + (0 if cfg.urls else 1))
 
 
 def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,

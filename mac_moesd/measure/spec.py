@@ -34,7 +34,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -58,6 +58,9 @@ from mac_moesd.measure.spec_audit import audit_configuration
 from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt, within
 from mac_moesd.measure.rolled_cache import PREFILL_CHUNK
 from mac_moesd.measure import rollback as rollbacks
+
+if TYPE_CHECKING:
+    from mac_moesd.inputs.models import ModelSource
 
 __all__ = ["SpecConfig", "require_valid", "run_spec", "stored_and_valid"]
 
@@ -126,6 +129,22 @@ class SpecConfig:
             raise BadInput("--max-prompts must be >= 1")
         if self.rollback not in rollbacks.STRATEGIES:
             raise BadInput(f"--rollback must be one of {', '.join(rollbacks.STRATEGIES)}")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The models of a configuration, resolved once per command (``resolve_sources``) and passed
+    down, so every step measures the same folders and names them alike."""
+
+    target: ModelSource
+    draft: ModelSource | None  # None where no drafter model drafts (prompt lookup, an MTP head)
+
+
+def resolve_sources(cfg: SpecConfig) -> Sources:
+    """``cfg``'s target and drafter model as found on this machine."""
+    from mac_moesd.inputs import models
+
+    return Sources(models.resolve(cfg.target), models.resolve(cfg.draft) if cfg.drafter_kind == "model" else None)
 
 
 @dataclass(frozen=True)
@@ -442,14 +461,14 @@ def estimate(cfg: SpecConfig, target, draft, context: int | None = None) -> dict
 
 
 def plan_models(cfg: SpecConfig, available_bytes: int | None, dtype: str | None = None,
-                context: int | None = None):
+                context: int | None = None, sources: Sources | None = None):
     """Target and drafter, built lazily, at full depth if they fit with two caches per batch;
     else both cut to the same fraction of their layers (halving the target's) so the cost of a
     draft step relative to a target step stays about the same; else refuse. Nothing allocated."""
     from mac_moesd.inputs import models
 
-    target_src = models.resolve(cfg.target)
-    draft_src = None if cfg.drafter_kind != "model" else models.resolve(cfg.draft)
+    sources = sources or resolve_sources(cfg)
+    target_src, draft_src = sources.target, sources.draft
     full = int(target_src.config["num_hidden_layers"])
     draft_full = int(draft_src.config["num_hidden_layers"]) if draft_src else 0
     unit = zoo.slice_unit(target_src.config)
@@ -685,7 +704,8 @@ class ConfigurationTimer:
 
 
 def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None,
-             sweep_step: Callable[[int], float | None] | None = None) -> schema.SpecDocument:
+             sweep_step: Callable[[int], float | None] | None = None,
+             sources: Sources | None = None) -> schema.SpecDocument:
     """Measure every (batch, temperature, gamma, alpha); ``predictor(batch, gamma, alpha,
     self_draft, context)`` gives the fitted model's speedup for the same configuration at this
     run's context, or None; ``sweep_step(batch)`` the sweep's pipelined T_T(B,1), or None. A
@@ -710,7 +730,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     ``rules`` at temperature > 0 with prompts (``rules_worth``). ``acceptance`` (``real`` mode
     with prompts): one ``acceptance_run.measure_acceptance`` entry per gamma and temperature."""
     rng = np.random.default_rng(cfg.seed)
-    target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes)
+    target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes, sources or resolve_sources(cfg))
     if target.layers < target.layers_full:
         predictor = None  # the fit predicts the full model, not a slice
     # No drafter model: prompt lookup (None), or an MTP head built on the target.
@@ -787,19 +807,16 @@ def _head(target) -> MTPHead:
     return head
 
 
-def prepare_models(cfg: SpecConfig, available_bytes: int | None):
+def prepare_models(cfg: SpecConfig, available_bytes: int | None, sources: Sources):
     """(target, drafter, prompt ids, memory estimate, shared vocabulary) of a spec run, the models
     materialised at the depth that fits; refuses what cannot be measured meaningfully."""
-    from mac_moesd.inputs import models
-
-    target_src = models.resolve(cfg.target)
-    draft_src = None if cfg.drafter_kind != "model" else models.resolve(cfg.draft)
+    target_src, draft_src = sources.target, sources.draft
     inputs = prompt_ids(cfg, target_src, draft_src)
     if cfg.drafter_kind == "prompt-lookup" and inputs.ids is None:
         raise BadInput(f"--draft prompt-lookup needs real text: {target_src.name} decodes random token "
                        "ids here, whose repeats say nothing about a real context's")
     longest = max(map(len, inputs.ids)) if inputs.ids else None
-    target, draft, need = plan_models(cfg, available_bytes, context=longest)
+    target, draft, need = plan_models(cfg, available_bytes, context=longest, sources=sources)
     if target.layers < target.layers_full and inputs.ids is not None and cfg.mode == "real":
         raise MacMoesdError(
             f"{target_src.name} and its drafter fit in memory only as slices of their layers, "

@@ -10,7 +10,6 @@ from typing import Any, Callable, Mapping
 
 from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.inputs import models
 from mac_moesd.machine import blas, hardware, memory, metadata
 from mac_moesd.measure import roofline, routing, selftest, spec, sweep, timing
 from mac_moesd.pipeline import estimate, pair_stages, plans, stages
@@ -111,7 +110,7 @@ def run_roofline(quick: bool, sizes_mib: tuple[float, ...] | None, max_size_mib:
     usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
     roofline.validate(cfg, usable.usable_bytes, cap)
-    progress.expect(len(cfg.sizes) + 4 + len(cfg.dtypes) + 2)
+    progress.expect(roofline.progress_steps(cfg))
     memory.start_stage()
     document = roofline.run_roofline(cfg, machine.to_dict()["spec"], machine.backend, progress.advance,
                                      usable_bytes=usable.usable_bytes)
@@ -168,11 +167,11 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
             WriterLock.release(lock)
 
 
-def stored_predictor(store: ResultsStore, target: str, warn: Warn, drafter_kind: str = "model"):
-    """The speedup predictor of the fit of ``target`` in ``store`` for a drafter of that kind
-    (``fit.predictor_for``); None, with a warning saying what to run, when there is none or it
-    cannot predict."""
-    fitted = store.data.get("fits", {}).get(models.resolve(target).name)
+def stored_predictor(store: ResultsStore, target: str, name: str, warn: Warn, drafter_kind: str = "model"):
+    """The speedup predictor of the fit of the model ``name`` (``target`` as the user wrote it) in
+    ``store`` for a drafter of that kind (``fit.predictor_for``); None, with a warning saying what
+    to run, when there is none or it cannot predict."""
+    fitted = store.data.get("fits", {}).get(name)
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
         return None
@@ -187,10 +186,11 @@ def run_spec(cfg: spec.SpecConfig, memory_limit_gib: float | None, out: Path | N
     """`mac-moesd spec`: measured SD beside the stored fit's prediction."""
     usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
-    predictor = stored_predictor(store, cfg.target, warn, cfg.drafter_kind)
+    sources = spec.resolve_sources(cfg)
+    name = sources.target.name
+    predictor = stored_predictor(store, cfg.target, name, warn, cfg.drafter_kind)
     with hardware.measuring_stage():
-        document = spec.run_spec(cfg, predictor, usable.usable_bytes,
-                                 fit.sweep_plain_step(store.data, models.resolve(cfg.target).name))
+        document = spec.run_spec(cfg, predictor, usable.usable_bytes, fit.sweep_plain_step(store.data, name), sources)
     key = spec_key(document["target"], document["draft"], cfg.mode,
                    document["prompts"]["name"] if document["prompts"]["count"] else None)
     store.put("spec", key, document)
@@ -202,8 +202,7 @@ def run_serving(cfg, out: Path | None, progress: Progress, warn: Warn) -> dict:
     from mac_moesd.measure import serving_stage
 
     machine, meta, store = open_store(out, warn)
-    servers = len(cfg.urls) or (2 if cfg.draft else 1)
-    progress.expect(servers * (len(cfg.concurrency) * len(cfg.prompts) + (0 if cfg.urls else 1)))
+    progress.expect(serving_stage.progress_steps(cfg))
     document = serving_stage.run_serving(cfg, store, machine.backend, progress.advance)
     for message in document["notes"]:
         warn(message)
