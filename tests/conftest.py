@@ -39,8 +39,10 @@ def tiny_pair() -> tuple[str, str]:
 def results_written_hold_their_declared_types(request):
     """After every test, each results file it wrote under its ``tmp_path`` passes the check a
     later command's load makes (``results.validate``): a writer whose output the schema declares
-    otherwise would make the suite refuse its own file on the next command. Tests that write
-    invalid files on purpose carry ``invalid_results``."""
+    otherwise would make the suite refuse its own file on the next command. And every key it
+    holds is declared by a record of ``results.schema``: a key a writer newly adds fails here
+    until the schema says what it is. Tests that write invalid files on purpose carry
+    ``invalid_results``."""
     yield
     tmp = request.node.funcargs.get("tmp_path")
     if tmp is None or request.node.get_closest_marker("invalid_results"):
@@ -55,3 +57,5 @@ def results_written_hold_their_declared_types(request):
         if isinstance(data, dict) and data.get("schema") in schema.READS:
             problem = validate.first_problem(schema.upgrade(data))
             assert problem is None, f"{path} as written fails its load-time check: {problem}"
+            undeclared = validate.undeclared_keys(schema.upgrade(data))
+            assert not undeclared, f"{path} holds keys results.schema does not declare: {undeclared[:5]}"

@@ -3,12 +3,11 @@ recorded files hold declared by a record of ``results.schema``."""
 
 import json
 import shutil
-import typing
 from pathlib import Path
 
 import pytest
 
-from mac_moesd.results import SCHEMA, ResultsStore, load_results, schema
+from mac_moesd.results import SCHEMA, ResultsStore, load_results, validate
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).parent.parent
@@ -38,45 +37,18 @@ def test_resuming_an_older_file_keeps_its_points_and_writes_today_s_schema(tmp_p
     assert new["sweeps"] == old["sweeps"] and new["fits"] == old["fits"]
 
 
-def undeclared(value, hint, where: str) -> list[str]:
-    """Keys of ``value`` that ``hint`` (a record of results.schema, or a container of them)
-    does not declare, as paths."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union or type(hint).__name__ == "UnionType":
-        found = [undeclared(value, a, where) for a in args if a is not type(None)]
-        return min(found, key=len) if found else []
-    if isinstance(value, dict) and typing.is_typeddict(hint):
-        hints = typing.get_type_hints(hint)
-        out = []
-        for key, item in value.items():
-            if key == "null_reasons":  # any dict may say why a figure is null (finite_json)
-                continue
-            if key not in hints:
-                out.append(f"{where}.{key}")
-            else:
-                out += undeclared(item, hints[key], f"{where}.{key}")
-        return out
-    if isinstance(value, dict) and origin is dict:
-        return [p for key, item in value.items() for p in undeclared(item, args[1], f"{where}[{key!r}]")]
-    if isinstance(value, list) and origin is list:
-        return [p for i, item in enumerate(value) for p in undeclared(item, args[0], f"{where}[{i}]")]
-    return []
-
-
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name if p.parent == DATA else "example-report")
 def test_every_key_of_the_recorded_files_is_declared(path):
-    assert undeclared(load_results(path), schema.ResultsFile, "") == []
+    assert validate.undeclared_keys(load_results(path)) == []
 
 
 def test_an_undeclared_key_is_found():
     data = {"schema": SCHEMA, "sweeps": {"m|fp16|L64|layers2": {"points": {"1x1": {"median_s": 1.0, "medain_s": 2}}}}}
-    assert undeclared(data, schema.ResultsFile, "") == [".sweeps['m|fp16|L64|layers2'].points['1x1'].medain_s"]
+    assert validate.undeclared_keys(data) == [".sweeps['m|fp16|L64|layers2'].points['1x1'].medain_s"]
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.name if p.parent == DATA else "example-report")
 def test_every_value_of_the_recorded_files_has_its_declared_type(path):
-    from mac_moesd.results import validate
-
     assert validate.first_problem(load_results(path)) is None
 
 

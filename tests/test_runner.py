@@ -17,7 +17,7 @@ META = {"chip_slug": "x", "backend": "cpu", "versions": {}, "blas": {}}
 def writes(section: str, key: str):
     """A stage's work that writes one document, as a measuring stage does."""
     def work(ctx: Context) -> None:
-        ctx.store.put(section, key, {"model": key, "usable_bytes": ctx.usable_bytes})
+        ctx.store.put(section, key, {"model": key, "memory": {"usable_bytes": ctx.usable_bytes}})
     return work
 
 
@@ -46,7 +46,7 @@ def test_a_failing_stage_is_skipped_with_its_reason_and_the_next_runs(tmp_path, 
     assert outcome.skipped == {"sweep a": reason} and outcome.ran == ["sweep b"]
     saved = json.loads(path.read_text())
     assert saved["skipped"] == {"sweep a": reason}
-    assert saved["sweeps"]["b"]["usable_bytes"] > 0  # planned within the memory usable as it started
+    assert saved["sweeps"]["b"]["memory"]["usable_bytes"] > 0  # planned within the memory usable as it started
     assert "thermal_pressure" in saved["sweeps"]["b"]
     assert outcome.exit_status == 3
 

@@ -755,6 +755,20 @@ class PairRecord(TypedDict, total=False):
     context: int
     spec_batches: list[int]
     spec_gammas: list[int]
+    sweep_routing: SweepRouting  # how the pair's sweep routed its experts
+
+
+class SweepRouting(TypedDict, total=False):
+    """A pair sweep's routing: its prompt sets' recorded traces replayed, or the model's own
+    router where the traces hold too few sequences (then ``why``)."""
+    routing: str  # as `sweep --routing` takes it
+    key: str  # as the sweep's results key names it
+    why: str
+    trace: str  # traces/<file>, beside results.json
+    prompt_sets: list[str]
+    sequences: int
+    length: int
+    spans_per_sequence: int
 
 
 class PairSearch(TypedDict, total=False):

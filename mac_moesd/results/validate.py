@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import schema
 
-__all__ = ["first_problem", "read_guard"]
+__all__ = ["first_problem", "read_guard", "undeclared_keys"]
 
 # What a reader raises on a record that passed ``first_problem`` but lacks a key it needs, or
 # holds a null, an empty list or a zero where it needs a figure.
@@ -110,6 +110,35 @@ def first_problem(data: dict) -> str | None:
     """The first place where ``data`` (a results document in today's schema) differs from
     ``schema.ResultsFile``, said in a few words; None when it holds what the schema declares."""
     return _problem(data, schema.ResultsFile, "")
+
+
+def undeclared_keys(data: dict, record: type = schema.ResultsFile) -> list[str]:
+    """Paths of the keys of ``data`` (a results file, or another ``record`` of ``results.schema``)
+    that no record declares. Readers leave such keys alone; a writer must not make them (the
+    tests hold every file they write to this), so the schema stays the one statement of what a
+    file holds."""
+    return _undeclared(data, record, "")
+
+
+def _undeclared(value, hint, where: str) -> list[str]:
+    options = [o for o in _alternatives(hint) if o is not type(None)]
+    if len(options) > 1:
+        return min((_undeclared(value, o, where) for o in options), key=len)
+    hint = options[0] if options else hint
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(value, dict) and typing.is_typeddict(hint):
+        hints = _hints(hint)
+        out = []
+        for key, item in value.items():
+            if key == "null_reasons":  # any object may say why a figure is null (finite_json)
+                continue
+            out += [f"{where}.{key}"] if key not in hints else _undeclared(item, hints[key], f"{where}.{key}")
+        return out
+    if isinstance(value, dict) and origin is dict:
+        return [p for key, item in value.items() for p in _undeclared(item, args[1], f"{where}[{key!r}]")]
+    if isinstance(value, list) and origin is list:
+        return [p for i, item in enumerate(value) for p in _undeclared(item, args[0], f"{where}[{i}]")]
+    return []
 
 
 @contextlib.contextmanager
