@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from mac_moesd.analysis import cluster, fit
 from mac_moesd.cli import cli
 from mac_moesd.reporting import compare, report
+from mac_moesd.results import load_results
 
 FIXTURE = Path(__file__).parent / "data" / "results_quick_cpu.json"  # today's recorded `run --quick`
 LATENCY, BANDWIDTH, HIDDEN, LAYERS = 50e-6, 1e9, 512, 4  # a made-up link, recovered below
@@ -19,7 +20,7 @@ LATENCY, BANDWIDTH, HIDDEN, LAYERS = 50e-6, 1e9, 512, 4  # a made-up link, recov
 def cluster_results() -> dict:
     """The CI fixture as if its tiny-moe sweep had run on 2 ranks, expert parallel: one all-reduce
     of B x t x hidden float32 per layer, timed on a link of LATENCY and BANDWIDTH."""
-    data = json.loads(FIXTURE.read_text())
+    data = load_results(FIXTURE)
     data["meta"]["cluster"] = {"ranks": 2, "backend": "ring", "hosts": ["a", "b"], "parallel": "expert"}
     data["fits"] = {}
     entry = next(e for e in data["sweeps"].values() if e["model"] == "tiny-moe")
@@ -44,7 +45,7 @@ def test_comm_term_recovers_latency_and_bandwidth():
     n = np.array([1, 5, 40])
     assert term.time(n) == pytest.approx(LAYERS * (LATENCY + n * HIDDEN * 4 / BANDWIDTH))
     assert cluster.CommTerm.from_dict(json.loads(json.dumps(term.to_dict()))) == term
-    assert cluster.comm_term(json.loads(FIXTURE.read_text())) is None  # one machine: no term
+    assert cluster.comm_term(load_results(FIXTURE)) is None  # one machine: no term
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_report_has_the_cluster_section(cluster_folder):
     row = doc["cluster"]["rows"][0]
     assert (f"| {row['batch']} | {row['gamma']} | {row['speedup']:.2f} | {row['speedup_free_link']:.2f} | "
             f"{row['comm_share_plain']:.1%} | {row['comm_share_verify']:.1%} |") in md
-    single = report.write_report(json.loads(FIXTURE.read_text()), folder / "single")["markdown"].read_text()
+    single = report.write_report(load_results(FIXTURE), folder / "single")["markdown"].read_text()
     assert "## Cluster" not in single
 
 

@@ -12,7 +12,7 @@ from mac_moesd.measure import routing, timing
 from mac_moesd.pipeline import plans, stages
 from mac_moesd.progress import Progress
 from mac_moesd.cli import cli
-from mac_moesd.results import ResultsStore
+from mac_moesd.results import ResultsStore, load_results
 
 from test_fit import hand_fit_doc
 
@@ -51,7 +51,7 @@ def hand_speedup(batch: int, gamma: int, alpha: float) -> float:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    data = by_hand(json.loads(FIXTURE.read_text()))
+    data = by_hand(load_results(FIXTURE))
     folder = tmp_path_factory.mktemp("report")
     paths = report.write_report(data, folder)
     return data, folder, paths
@@ -100,14 +100,14 @@ def test_numbers_in_the_text_are_those_of_the_results(written):
             # Recorded before the SD stage timed its rounds: no prediction from them, no plain vs sweep.
             # The fit's prediction as stored with the run comes first; the hand fit, which is not the
             # one that priced the run, predicts otherwise, so its figure stands beside it.
-            stored = (run.get("predicted_by") or {}).get("model", run.get("predicted_speedup"))
+            stored = run["predicted_by"]["model"]  # upgrade moved the early files' predicted_speedup
             assert (f"| {run['measured_speedup']:.2f} ({low:.2f}-{high:.2f}) | - | - | {stored:.2f} (current fit: "
                     f"{pred:.2f}) | {stored / run['measured_speedup'] - 1:+.0%} | - |") in md
     assert "not measured to a precision" in md
 
 
 def test_the_verdict_leads_with_the_measurement_and_writes_out_a_disagreement(tmp_path):
-    data = by_hand(json.loads(FIXTURE.read_text()))
+    data = by_hand(load_results(FIXTURE))
     for f in data["fits"].values():
         f["fitted_at"] = "2026-12-01T10:00:00.000000+00:00"
     # Judged against the fit's prediction stored with each run (as the SD table shows it), made
@@ -134,7 +134,7 @@ def test_the_verdict_leads_with_the_measurement_and_writes_out_a_disagreement(tm
 
 
 def test_a_fit_from_before_the_variants_is_named_not_fatal(tmp_path):
-    data = json.loads(FIXTURE.read_text())
+    data = load_results(FIXTURE)
     for f in data["fits"].values():
         del f["chosen"]
     paths = report.write_report(data, tmp_path)
@@ -146,7 +146,7 @@ def test_a_results_file_recorded_before_pipelining_and_second_contexts_still_rep
     # The early fixture has no pipelined points, no second-context points and no unique-read
     # counts, and its stored fits predate k_seq, the one-row forward and pipelining: the report
     # is written with every section from what it has.
-    data = json.loads(EARLY.read_text())
+    data = load_results(EARLY)
     md = report.write_report(data, tmp_path)["markdown"].read_text()
     for section in SECTIONS:
         assert section in md
@@ -161,7 +161,7 @@ def test_html_is_self_contained(written):
 
 
 def test_partial_results_are_labelled_incomplete(tmp_path):
-    data = json.loads(FIXTURE.read_text())
+    data = load_results(FIXTURE)
     del data["routing"], data["fits"]
     md = report.write_report(data, tmp_path)["markdown"].read_text()
     assert "INCOMPLETE: no routing, fits" in md
@@ -278,7 +278,7 @@ def test_compare_rejects_an_older_schema(tmp_path):
 
 
 def test_a_fit_without_drafter_reports_target_efficiency_not_a_verdict(tmp_path):
-    data = json.loads(FIXTURE.read_text())
+    data = load_results(FIXTURE)
     del data["draft"]
     data["fits"] = {"tiny-moe": fit.fit_document(fit.fit(fit.inputs_from_results(data, "tiny-moe")))}
     md = report.write_report(data, tmp_path)["markdown"].read_text()
@@ -288,7 +288,7 @@ def test_a_fit_without_drafter_reports_target_efficiency_not_a_verdict(tmp_path)
 
 
 def test_an_invalid_sd_run_is_marked_and_left_out_of_the_verdict(tmp_path):
-    data = json.loads(FIXTURE.read_text())
+    data = load_results(FIXTURE)
     doc = next(iter(data["spec"].values()))
     bad = next(r for r in doc["runs"] if r["batch"] == 1)
     bad["measured_speedup"] = 9.99  # what a rollback that did nothing might time
@@ -307,7 +307,7 @@ def test_an_invalid_sd_run_is_marked_and_left_out_of_the_verdict(tmp_path):
 def test_a_prompt_lookup_run_beside_the_fit_leaves_the_acceptance_range_to_the_runs_with_one(tmp_path):
     """Prompt lookup solves no acceptance (its proposals vary in length): its batch-1 run counts
     among the measured speedups, and the range of acceptances is that of the runs that have one."""
-    data = json.loads(FIXTURE.read_text())
+    data = load_results(FIXTURE)
     key, doc = next(iter(data["spec"].items()))
     with_alpha = [r for r in doc["runs"] if r["batch"] == 1]
     lookup_run = dict(with_alpha[0], mode="real", drafter_kind="prompt-lookup", measured_speedup=0.5,

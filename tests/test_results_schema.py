@@ -60,3 +60,27 @@ def test_a_value_of_another_type_is_found_with_its_place():
     assert validate.first_problem(data) == ".spec['k'].runs[1].batch is a string, not a number"
     assert validate.first_problem({"schema": SCHEMA, "roofline": {"ridge_flop_per_byte": float("inf")}}) == (
         ".roofline.ridge_flop_per_byte is inf, not a finite number")
+
+
+@pytest.mark.parametrize("path", OLDER, ids=lambda p: p.name)
+def test_upgrade_moves_an_early_run_s_prediction_into_predicted_by(path):
+    early = json.loads(path.read_text())
+    runs = [r for doc in early["spec"].values() for r in doc["runs"]]
+    assert runs and all("predicted_by" not in r and "predicted_from" not in r for r in runs)
+    upgraded = [r for doc in load_results(path)["spec"].values() for r in doc["runs"]]
+    # Before predicted_from, the one prediction a run held was the fitted model's; no fit named.
+    assert [r["predicted_by"] for r in upgraded] == [
+        {"measured": None, "model": r["predicted_speedup"], "fit": None} for r in runs]
+
+
+def test_upgrade_files_a_timed_parts_prediction_under_measured_and_leaves_todays_runs_alone():
+    from mac_moesd.results import schema
+
+    today = {"predicted_speedup": 1.2, "predicted_from": "measured",
+             "predicted_by": {"measured": 1.2, "model": 1.1, "fit": "2026-12-01T10:00:00.000000+00:00"}}
+    data = {"schema": "mac-moesd/2", "spec": {"a|b|real": {"runs": [
+        {"predicted_speedup": 0.9, "predicted_from": "measured"}, dict(today), {"batch": 1}]}}}
+    runs = schema.upgrade(data)["spec"]["a|b|real"]["runs"]
+    assert runs[0]["predicted_by"] == {"measured": 0.9, "model": None, "fit": None}
+    assert runs[1] == today and runs[2] == {"batch": 1}
+    assert schema.upgrade({"schema": "mac-moesd/1", "spec": ["not", "documents"]})["schema"] == SCHEMA  # left to validate

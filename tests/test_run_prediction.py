@@ -8,6 +8,7 @@ import pytest
 from mac_moesd.analysis import fit
 from mac_moesd.measure.spec import _prediction_record
 from mac_moesd.reporting.formatting import NEWER_FIT_NOTE, newer_fit_note, predicted_cells
+from mac_moesd.results import schema
 from test_fit import hand_fit_doc, synthetic_fit_document
 
 # The hand-worked fit (tests/test_fit.py) at B = 1, gamma 4, alpha 0.8, mlx-lm's loop (no catch-up):
@@ -60,10 +61,12 @@ def test_with_nothing_stored_the_current_fit_predicts():
 
 
 def test_runs_and_fits_from_before_fits_were_named():
-    # A run stored its model prediction as ``predicted_speedup`` before ``predicted_by``; the fit
-    # has no ``fitted_at``: which fit priced the run is unknown, so a differing one is shown beside.
-    old = {key: value for key, value in timed_run().items() if key != "predicted_by"}
+    # A run stored its model prediction as ``predicted_speedup`` before ``predicted_by`` (upgrade
+    # moves it there on load); the fit has no ``fitted_at``: which fit priced the run is unknown,
+    # so a differing one is shown beside.
+    old = {key: value for key, value in timed_run().items() if key not in ("predicted_by", "predicted_from")}
     old["predicted_speedup"] = 2.3
+    schema.upgrade({"spec": {"t|d|emulated-acceptance": {"runs": [old]}}})
     prediction = fit.model_prediction(hand_fit_doc(), old, DOC)
     assert prediction.stored == 2.3 and prediction.now == pytest.approx(AT_NO_KV)
     assert fit.model_prediction(None, old, DOC) == fit.RunPrediction(2.3)

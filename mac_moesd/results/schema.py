@@ -21,6 +21,11 @@ Format history (``schema``):
   ``near_tie`` and ``valid``, a round ``rollback_s``, a spec document ``valid``, a footprint
   ``layer_kinds``, a fit ``reforward``; later a spec run ``stopped``. Additions only again: a ``mac-moesd/2`` file reads as ``/3`` whose SD runs were
   never audited (the report says "-" where the audit goes); a file written now says ``/3``.
+
+What ``upgrade`` migrates on load (the one place an older form is turned into today's, so no
+reader keeps a fallback for it): an SD run recorded before ``predicted_by`` held its one
+prediction in ``predicted_speedup`` (``predicted_from`` saying which, the fitted model's where
+absent); it gains the ``predicted_by`` that prediction belongs in, with no fit named.
 """
 
 from __future__ import annotations
@@ -40,10 +45,24 @@ READS = ("mac-moesd/1", "mac-moesd/2", SCHEMA)  # what ``upgrade`` brings to tod
 
 
 def upgrade(data: dict) -> dict:
-    """A results document of any schema in ``READS``, in today's form (in place): every earlier
-    version differs from today's only by keys it lacks, which stay missing."""
+    """A results document of any schema in ``READS``, in today's form (in place): the keys an
+    earlier version lacks stay missing, and what the format history above lists is migrated.
+    Malformed documents are left for ``validate`` to name."""
+    spec = data.get("spec")
+    for doc in spec.values() if isinstance(spec, dict) else ():
+        for run in doc.get("runs", ()) if isinstance(doc, dict) and isinstance(doc.get("runs"), list) else ():
+            if isinstance(run, dict) and "predicted_by" not in run and "predicted_speedup" in run:
+                run["predicted_by"] = _predicted_by(run["predicted_speedup"], run.get("predicted_from"))
     data["schema"] = SCHEMA
     return data
+
+
+def _predicted_by(predicted: float | None, source: str | None) -> PredictedBy:
+    """An early run's one prediction, under what made it: the SD stage's timed forwards
+    (``predicted_from == "measured"``) or the fitted model."""
+    if source == "measured":
+        return {"measured": predicted, "model": None, "fit": None}
+    return {"measured": None, "model": predicted, "fit": None}
 
 
 # ---- records shared by several documents (§7.2, §7.3) ----

@@ -178,10 +178,8 @@ def model_prediction(fit_doc: dict | None, run: dict, doc: dict) -> RunPredictio
     """``run``'s fitted-model prediction as stored with it, and by ``fit_doc`` (the results'
     fit of its target; None: none) where that fit is not the one the stored value came from and
     the two differ at two decimals (or nothing was stored)."""
-    by = run.get("predicted_by")
-    # Runs made before ``predicted_by`` stored the model's prediction as ``predicted_speedup``.
-    stored = by.get("model") if by is not None else run.get("predicted_speedup")
-    stored_fit = (by or {}).get("fit")
+    by = run.get("predicted_by") or {}  # older runs have theirs from results.schema.upgrade
+    stored, stored_fit = by.get("model"), by.get("fit")
     if fit_doc is None or (stored_fit is not None and fit_doc.get("fitted_at") == stored_fit):
         return RunPrediction(stored, stored_fit)
     now = _recomputed(predictor_for(fit_doc, run.get("drafter_kind", "model")), run, doc)
