@@ -308,7 +308,7 @@ def serving_command(target, draft, gamma, concurrency, tokens, prompts, window, 
     mlx_lm.server is launched on 127.0.0.1 once plain and once with --draft, and stopped at the
     end. With --url NAME=URL (e.g. plain=... sd=...) running servers are measured as configured.
     """
-    from mac_moesd.measure.serving_stage import ServingConfig
+    from mac_moesd.pipeline.serving_stage import ServingConfig
     from mac_moesd.pipeline import commands
     from mac_moesd.reporting.serving_section import render_serving
     from mac_moesd.results import keys

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from mac_moesd.errors import MacMoesdError
-from mac_moesd.measure import server_process, serving, serving_stage
+from mac_moesd.measure import server_process, serving
+from mac_moesd.pipeline import serving_stage
 from mac_moesd.measure.serving import LegConfig, RequestRecord
 from mac_moesd.results import ResultsStore
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mac_moesd.analysis import serving_prediction as prediction
-from mac_moesd.measure import serving_stage
+from mac_moesd.pipeline import serving_stage
 
 from test_fit import hand_fit_doc
 

@@ -199,7 +199,7 @@ def run_spec(cfg: spec.SpecConfig, memory_limit_gib: float | None, out: Path | N
 
 def run_serving(cfg, out: Path | None, progress: Progress, warn: Warn) -> dict:
     """`mac-moesd serving` (``cfg``: a ``serving_stage.ServingConfig``)."""
-    from mac_moesd.measure import serving_stage
+    from mac_moesd.pipeline import serving_stage
 
     machine, meta, store = open_store(out, warn)
     progress.expect(serving_stage.progress_steps(cfg))
@@ -235,7 +235,7 @@ class RunResult:
 def run(options: RunOptions, out: Path, memory_limit_gib: float | None, progress: Progress, warn: Warn) -> RunResult:
     """`mac-moesd run`: the pair's stages (``--target``, or on a GPU a known pair found cached)
     or the zoo's, then the report."""
-    from mac_moesd.measure import serving_stage
+    from mac_moesd.pipeline import serving_stage
     from mac_moesd.reporting import report
 
     limit_bytes = memory.limit_bytes(memory_limit_gib)
@@ -303,7 +303,7 @@ def dry_run(options: RunOptions, out: Path | None, memory_limit_gib: float | Non
     """The plan of ``run`` for this machine, or for ``chip`` with ``memory_gib`` GiB; nothing
     allocated. ``cluster`` (ranks, parallel, link Gb/s): the sharded sweeps over that many such
     machines."""
-    from mac_moesd.measure import serving_stage
+    from mac_moesd.pipeline import serving_stage
 
     backend, name, total, usable, rates = _planned_machine(chip, memory_gib, memory_limit_gib, out)
     found: list[plans.PairPlan] | None = None

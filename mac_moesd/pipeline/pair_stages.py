@@ -207,7 +207,7 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
 def _serving(plan: PairPlan, template) -> Stage:
     """mlx_lm.server on the pair (``template``: the stage's ``serving_stage.ServingConfig``), kept
     once a complete serving document of the pair is in the results."""
-    from mac_moesd.measure import serving_stage
+    from mac_moesd.pipeline import serving_stage
 
     key = pair_key(plan.target, plan.draft)
     return Stage(f"serving {plan.target}",

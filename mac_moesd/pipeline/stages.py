@@ -103,7 +103,7 @@ def _spec(plan: Plan) -> Stage:
 
 def _random_weights_serving() -> Stage:
     """Listed so the report says why it is missing: the zoo's models have random weights."""
-    from mac_moesd.measure import serving_stage
+    from mac_moesd.pipeline import serving_stage
 
     return Stage("serving", lambda ctx: serving_stage.random_weights_stage(),
                  estimate=lambda sizing: serving_stage.random_weights_stage())
