@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd.inputs import localmodel, models, zoo
+from mac_moesd.inputs import localmodel, models, texts, zoo
 from mac_moesd.measure import routing
 from mac_moesd.analysis import theory
 from mac_moesd.cli import cli
@@ -107,9 +107,9 @@ def test_saved_model_with_tokenizer_routes_text(tmp_path):
 
 
 def test_builtin_texts():
-    assert len(routing.builtin_text("code")) > 100_000
-    assert "ferry" in routing.builtin_text("prose")
-    assert routing.hashed_tokens("a b a", 1000)[0] == routing.hashed_tokens("a", 1000)[0]
+    assert len(texts.builtin_text("code")) > 100_000
+    assert "ferry" in texts.builtin_text("prose")
+    assert texts.hashed_tokens("a b a", 1000)[0] == texts.hashed_tokens("a", 1000)[0]
 
 
 def invoke(*args):
