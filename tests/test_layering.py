@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from importlinter import api
 
 REPO = Path(__file__).parent.parent
@@ -36,3 +37,25 @@ def test_every_module_is_in_a_layer():
     outside = sorted(m for m in modules if not any(m == top or m.startswith(top + ".") or top.startswith(m + ".")
                                                    for top in layered))
     assert outside == [], "add them to a layer in pyproject.toml's [tool.importlinter]"
+
+
+def test_every_package_folder_is_installed():
+    import tomllib
+
+    listed = set(tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "mac_moesd").rglob("__init__.py")}
+    assert folders - listed == set()
+
+
+@pytest.mark.slow  # builds the wheel as pip installs it (seconds, with a C compile)
+def test_the_wheel_holds_every_module_and_the_kernels(tmp_path):
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = tmp_path.glob("mac_moesd-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "mac_moesd").rglob("*.py")}
+    kernels = {f"mac_moesd/metal/{p.name}" for p in (REPO / "kernels").glob("*.metal")}
+    assert kernels and modules - names == set() and kernels - names == set()
