@@ -216,6 +216,7 @@ def test_missing_sweep():
         fit.inputs_from_results({"schema": "mac-moesd/1", "meta": {}})
 
 
+@pytest.mark.slow  # runs whole fits (seconds)
 def test_fit_without_drafter_or_roofline_predicts_target_efficiency():
     data = synthetic_results(roofline=False, drafter=False)
     data["meta"] = {"chip": "AMD EPYC"}
@@ -266,6 +267,7 @@ def test_cli_fit_json(tmp_path):
     assert doc["sort_threshold"] == 64 and "switch_layers.py" in doc["sort_threshold_source"]
 
 
+@pytest.mark.slow  # runs whole fits (seconds)
 def test_cli_fit_without_drafter_or_roofline_exits_0_and_names_what_is_missing(tmp_path):
     data = synthetic_results(roofline=False, drafter=False)
     data["meta"] = {"chip": "AMD EPYC"}
@@ -330,6 +332,7 @@ def test_the_fit_follows_the_counted_unique_experts_of_correlated_routing():
     assert fit.FittedModel.from_document(doc).routing == result.inputs.routing
 
 
+@pytest.mark.slow  # runs whole fits (seconds)
 def test_held_out_error_is_scored_apart_and_the_parameters_use_every_point():
     data = synthetic_results()
     result = fit.fit(fit.inputs_from_results(data))

@@ -277,6 +277,7 @@ def test_compare_rejects_an_older_schema(tmp_path):
     assert compare.REFERENCE_GPUS[0]["chip"].startswith("NVIDIA")
 
 
+@pytest.mark.slow  # runs whole fits (seconds)
 def test_a_fit_without_drafter_reports_target_efficiency_not_a_verdict(tmp_path):
     data = load_results(FIXTURE)
     del data["draft"]
