@@ -31,6 +31,7 @@ CASES = [
     (["run", "--memory", "16", "--out", "{out}"], {}, 2, "use them with --dry-run"),
     (["run", "--dry-run", "--chip", "Apple M2"], {}, 2, "--chip needs --memory GiB"),
     (["run", "--dry-run", "--chip", "Apple M99", "--memory", "16"], {}, 2, "unknown chip 'Apple M99'"),
+    (["run", "--dry-run", "--chip", "Apple M2\nPro", "--memory", "16"], {}, 2, "unknown chip 'Apple M2\\nPro'"),
     (["run", "--dry-run", "--chip", "Apple M2", "--memory", "0"], {}, 2, "0.0 is not in the range x>0"),
     (["run", "--models", "nope", "--out", "{out}"], {}, 1, "unknown model 'nope'"),
     (["run", "--models", "tiny-dense", "--out", "{out}"], {}, 2, "--models needs at least one MoE model"),
