@@ -9,6 +9,7 @@ from mlx_lm.utils import save_config, save_model
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs import models, zoo
+from mac_moesd.inputs.trees import flatten
 
 
 def tiny_config() -> dict:
@@ -102,7 +103,7 @@ def test_a_pre_quantized_bf16_checkpoint_is_labelled_bfloat16(tmp_path):
     assert "quantization" in json.loads((folder / "config.json").read_text())
     built = models.build(models.resolve(str(folder)))
     assert built.bits == 4 and built.dtype == "bfloat16"
-    scales = [v for k, v in models.tree_flatten(built.model.parameters()) if k.endswith(".scales")]
+    scales = [v for k, v in flatten(built.model.parameters()) if k.endswith(".scales")]
     assert scales and {s.dtype for s in scales} == {mx.bfloat16}
     # as stored, even where another dtype is asked for
     assert models.build(models.resolve(str(folder)), dtype="float16").dtype == "bfloat16"

@@ -22,11 +22,10 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.utils import load_model, quantize_model
@@ -34,6 +33,7 @@ from mlx_lm.utils import load_model, quantize_model
 from mac_moesd import mlxlm_compat
 from mac_moesd.inputs import hfcache, zoo
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
+from mac_moesd.inputs.trees import flatten
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import schema
 
@@ -42,13 +42,6 @@ __all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_qu
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GROUP_SIZE = 64  # mlx-lm's default quantization group
-
-
-def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
-    """``tree_flatten``'s list: mlx annotates list or dict, a dict only where given as ``destination``."""
-    flat = tree_flatten(tree, is_leaf=is_leaf)
-    assert isinstance(flat, list)
-    return flat
 
 
 @dataclass(frozen=True)
@@ -128,7 +121,7 @@ def _check_then_load(model: nn.Module, name: str, weights: list, strict: bool = 
     also holds the layers past a slice."""
     del model.load_weights  # the instance attribute; the class's method stays
     given = dict(weights)
-    expected = dict(_flat(model.parameters()))
+    expected = dict(flatten(model.parameters()))
     missing = sorted(expected.keys() - given.keys())
     if missing:
         raise MacMoesdError(f"{name}: its safetensors lack {len(missing)} of the {len(expected)} tensors "
@@ -219,11 +212,11 @@ def _param_count(module: nn.Module) -> int:
     if hasattr(module, "bits"):  # quantized: count the weights it packs, as mlx-lm does
         bias = module.bias.size if "bias" in module else 0
         return module.weight.size * 32 // module.bits + bias
-    return sum(v.size for _, v in _flat(module.parameters()))
+    return sum(v.size for _, v in flatten(module.parameters()))
 
 
 def _nbytes(module: nn.Module) -> int:
-    return sum(v.nbytes for _, v in _flat(module.parameters()))
+    return sum(v.nbytes for _, v in flatten(module.parameters()))
 
 
 def footprint(model: nn.Module, config: dict) -> Footprint:
@@ -231,7 +224,7 @@ def footprint(model: nn.Module, config: dict) -> Footprint:
     shape = zoo.expert_shape(config)
     counts = {"total": [0, 0], "expert": [0, 0], "embedding": [0, 0], "head": [0, 0]}
     moe_layers = set()
-    for path, module in _flat(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
+    for path, module in flatten(model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)):
         n, b = _param_count(module), _nbytes(module)
         counts["total"][0] += n
         counts["total"][1] += b
@@ -306,9 +299,9 @@ class Built:
         model (or layer) runs those transients side by side. One at a time, only the largest
         array's transient comes on top of the weights (``memory.init_transient_bytes``)."""
         for layer in self.model.layers:
-            for _, array in _flat(layer.parameters()):
+            for _, array in flatten(layer.parameters()):
                 mx.eval(array)
-        for _, array in _flat(self.model.parameters()):
+        for _, array in flatten(self.model.parameters()):
             mx.eval(array)  # embedding, final norm, head; the layers' arrays are done already
 
 
@@ -346,7 +339,7 @@ def quantized_dtype(model: nn.Module) -> str:
     that of its other floating-point parameters. The largest share wins."""
     sizes: dict[mx.Dtype, int] = {}
     for scale_dtypes_only in (True, False):
-        for path, array in _flat(model.parameters()):
+        for path, array in flatten(model.parameters()):
             if mx.issubdtype(array.dtype, mx.floating) and (
                     not scale_dtypes_only or path.endswith((".scales", ".biases"))):
                 sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size
@@ -416,7 +409,7 @@ def stored_format(source: ModelSource) -> str | None:
         return f"{int(source.config['quantization'].get('bits', 4))}bit"
     model = _load(source.weights_dir, source.name)
     sizes: dict[mx.Dtype, int] = {}
-    for _, array in _flat(model.parameters()):
+    for _, array in flatten(model.parameters()):
         sizes[array.dtype] = sizes.get(array.dtype, 0) + array.size
     names = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
     return names.get(max(sizes, key=sizes.__getitem__), str(max(sizes, key=sizes.__getitem__)))

@@ -14,16 +14,16 @@ import os
 import platform
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mac_moesd.machine import hardware
 from mac_moesd.inputs import zoo
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
+from mac_moesd.inputs.trees import flatten
 from mac_moesd.errors import BadInput
 from mac_moesd.results import schema
 from mac_moesd.units import GiB
@@ -317,17 +317,10 @@ def logits_bytes(config: dict, batch: int, tokens: int) -> int:
     return batch * tokens * config["vocab_size"] * LOGIT_BYTES
 
 
-def _flat(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[tuple[str, Any]]:
-    """``tree_flatten``'s list: mlx annotates list or dict, a dict only where given as ``destination``."""
-    flat = tree_flatten(tree, is_leaf=is_leaf)
-    assert isinstance(flat, list)
-    return flat
-
-
 def _elements(module: nn.Module) -> int:
     if hasattr(module, "bits"):  # quantized: the weights it packs
         return module.weight.size * 32 // module.bits
-    return max((v.size for _, v in _flat(module.parameters())), default=0)
+    return max((v.size for _, v in flatten(module.parameters())), default=0)
 
 
 def init_transient_bytes(model: nn.Module, dtype: str, quantized: bool) -> int:
@@ -342,7 +335,7 @@ def init_transient_bytes(model: nn.Module, dtype: str, quantized: bool) -> int:
     if not cast and not quantized:
         return 0
     per_param = 4 + (mx.float16.size if cast and quantized else 0)
-    largest = max((_elements(m) for _, m in _flat(
+    largest = max((_elements(m) for _, m in flatten(
         model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module))), default=0)
     return largest * per_param
 
