@@ -15,7 +15,8 @@ import mac_moesd  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 import mlx.core as mx
 
 from mac_moesd.inputs import models
-from mac_moesd.measure import sweep, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.forward import sweep
 
 
 def bare_loop(model, cache, inputs, repeats):

@@ -21,9 +21,9 @@ import mac_moesd  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 
 from mac_moesd.machine import blas, metadata
 from mac_moesd.inputs import localmodel, models
-from mac_moesd.measure import timing
+from mac_moesd.measure.clock import timing
 from mac_moesd.results import ResultsStore
-from mac_moesd.measure.sweep import SweepConfig, run_sweep
+from mac_moesd.measure.forward.sweep import SweepConfig, run_sweep
 
 TRIAL = re.compile(r"Trial \d+:\s+prompt_tps=([\d.]+), generation_tps=([\d.]+)")
 

@@ -25,8 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from mac_moesd.inputs import models
-from mac_moesd.measure.spec import settle
-from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.measure.sd.speedup import settle
+from mac_moesd.measure.decoding.sd_loop import Decoder
 
 MEDIAN_EFFICIENCY = 1.2533  # the sample median's standard error over the mean's, normal data
 TARGET = 0.03

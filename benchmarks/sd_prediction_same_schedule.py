@@ -33,8 +33,9 @@ import numpy as np
 from mac_moesd.analysis import acceptance, fit
 from mac_moesd.inputs import models
 from mac_moesd.machine import blas
-from mac_moesd.measure import sweep, timing
-from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.decoding.sd_loop import Decoder
 from mac_moesd.results import point_key
 
 GOAL_MEDIAN, GOAL_WORST = 0.05, 0.10

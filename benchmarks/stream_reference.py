@@ -20,7 +20,8 @@ import mac_moesd  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 import mlx.core as mx
 import numpy as np
 
-from mac_moesd.measure import kernels, roofline, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.peaks import kernels, roofline
 
 C_SOURCE = r"""
 #include <stdio.h>

@@ -11,9 +11,9 @@ from pathlib import Path
 import mac_moesd  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 
 from mac_moesd.machine import metadata
-from mac_moesd.measure import timing
+from mac_moesd.measure.clock import timing
 from mac_moesd.results import ResultsStore
-from mac_moesd.measure.sweep import SweepConfig, run_sweep
+from mac_moesd.measure.forward.sweep import SweepConfig, run_sweep
 
 GRIDS = [((1,), (1, 2)), ((1, 2), (1, 2)), ((1, 2, 4), (1, 2, 4)), ((1, 2, 4, 8), (1, 2, 4, 8))]
 

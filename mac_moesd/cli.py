@@ -110,7 +110,7 @@ def sweep_command(model, batches, tokens, context, kv_context, layers, bits, dty
     MODEL is a zoo name (see `mac-moesd zoo`), a folder with config.json (and weights, if any),
     a config.json, or a Hugging Face repo id already in the local cache.
     """
-    from mac_moesd.measure.sweep import SweepConfig, validate
+    from mac_moesd.measure.forward.sweep import SweepConfig, validate
     from mac_moesd.pipeline import commands
 
     cfg = SweepConfig(model=model, batches=batches, tokens=tokens, context=context,
@@ -165,14 +165,14 @@ def roofline_command(quick, sizes, max_size, memory_limit_gib, out, as_json) -> 
               show_default=True, help="Saturation level.")
 @click.option("--save-trace", type=click.Path(dir_okay=False, path_type=Path), default=None,
               metavar="FILE", help="Also write every MoE layer's top-k choices (a .npz, see "
-                                   "mac_moesd/measure/routing_trace.py) for `sweep --routing trace:FILE`.")
+                                   "mac_moesd/measure/experts/routing_trace.py) for `sweep --routing trace:FILE`.")
 @memory_limit_option
 @out_option()
 @json_option
 def routing_command(model, text, batches, tokens, length, layers, tau, save_trace, memory_limit_gib, out,
                     as_json) -> None:
     """Unique experts real routing activates, against the uniform N(t), with correlation."""
-    from mac_moesd.measure.routing import RoutingConfig
+    from mac_moesd.measure.experts.routing import RoutingConfig
     from mac_moesd.pipeline import commands
 
     cfg = RoutingConfig(model=model, text=text, batches=batches, tokens=tokens, length=length,
@@ -250,9 +250,9 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
     at temperature 0 its output greedy's but for float near-ties. Exits 1 when one fails (the
     results are written, marked invalid).
     """
-    from mac_moesd.measure.prompt_lookup import LookupRule
+    from mac_moesd.measure.decoding.prompt_lookup import LookupRule
     from mac_moesd.results.keys import PROMPT_LOOKUP
-    from mac_moesd.measure.spec import SpecConfig
+    from mac_moesd.measure.sd.speedup import SpecConfig
     from mac_moesd.pipeline import commands
 
     if lookup_min_ngram > lookup_max_ngram:

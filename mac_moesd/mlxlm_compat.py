@@ -247,7 +247,7 @@ def _cache_list_present() -> bool:
 
 
 # The private state layout of each prompt-cache class (mlx_lm/models/cache.py), which
-# measure/cache_copy.py copies and rolls back. Each position of a class's ``state`` holds: "rows"
+# measure/caches/cache_copy.py copies and rolls back. Each position of a class's ``state`` holds: "rows"
 # an array (or None) with the batch on axis 0, "quantized" a tuple of such arrays (packed values, scales, biases), "row list" a list of
 # them (ArraysCache's per-layer states), "setting" a number shared by every row.
 CACHE_LAYOUTS = {

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from mac_moesd.measure import timing
+from mac_moesd.measure.clock import timing
 
 # The smallest budget the timer accepts: enough to exercise every code path in seconds (decode
 # chains of 8, not 32: the suite checks what is recorded, not how long a chain should be).

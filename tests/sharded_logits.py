@@ -11,7 +11,7 @@ import numpy as np
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs import models
-from mac_moesd.measure.distributed import shard_built
+from mac_moesd.measure.cluster.distributed import shard_built
 
 out = Path(sys.argv[1])
 cases = json.loads(sys.argv[2])  # [[config path, mode], ...]

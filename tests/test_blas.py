@@ -77,7 +77,7 @@ def test_without_any_the_reason_names_both_fixes(fresh_preload, monkeypatch):
 
 
 def test_a_launched_server_calls_the_same_openblas():
-    from mac_moesd.measure import server_process
+    from mac_moesd.measure.server import server_process
 
     env = {**server_process._child_env(), "MAC_MOESD_NO_OPENBLAS": "1"}  # only LD_PRELOAD loads it there
     out = subprocess.run([sys.executable, "-c", DESCRIBE], capture_output=True, text=True, check=True, env=env)

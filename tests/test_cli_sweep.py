@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from mac_moesd.machine import hardware
 from mac_moesd.cli import cli
-from mac_moesd.measure import sweep
+from mac_moesd.measure.forward import sweep
 
 QUICK = ["--context", "16", "--seconds-per-point", "0.01", "--quick", "--decode-chain", "8"]
 

@@ -8,7 +8,7 @@ from conftest import TINY_BUDGET
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs import models, zoo
 from mac_moesd.results import ResultsStore
-from mac_moesd.measure import sweep
+from mac_moesd.measure.forward import sweep
 
 
 def nested_only(config: dict) -> dict:
@@ -97,7 +97,7 @@ def test_slices_halve_in_whole_units():
 
 
 def test_a_hybrid_sweep_that_does_not_fit_is_sliced_to_whole_periods():
-    from mac_moesd.measure import sweep
+    from mac_moesd.measure.forward import sweep
 
     source = models.resolve("qwen3.6-35b-a3b")
     cfg = sweep.SweepConfig(model="qwen3.6-35b-a3b", batches=(1,), tokens=(1,), context=16, bits=4)

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from mac_moesd.cli import cli
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import collectives, distributed
+from mac_moesd.measure.cluster import collectives, distributed
 
 BIN = Path(sys.executable).parent
 HELPER = Path(__file__).with_name("sharded_logits.py")
@@ -104,7 +104,7 @@ def test_parallel_outside_mlx_launch_is_a_usage_error(tmp_path):
 
 @pytest.mark.timing
 def test_watchdog_ends_a_silent_process_with_one_line():
-    code = ("import time\nfrom mac_moesd.measure.watchdog import Watchdog\n"
+    code = ("import time\nfrom mac_moesd.measure.clock.watchdog import Watchdog\n"
             "dog = Watchdog(1.0, 'rank 0: nobody answered')\n"
             "for _ in range(4):\n    time.sleep(0.5)\n    dog.beat()\n"
             "print('beats kept it alive', flush=True)\ntime.sleep(30)\n")

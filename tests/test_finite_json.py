@@ -8,7 +8,7 @@ import pytest
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.finite_json import finite_document
-from mac_moesd.measure import timing
+from mac_moesd.measure.clock import timing
 from mac_moesd.results import ResultsStore, load_results
 
 META = {"chip_slug": "x", "backend": "cpu", "versions": {"mlx": "0"}, "blas": {}}

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mac_moesd.measure import kernels
+from mac_moesd.measure.peaks import kernels
 from mac_moesd.errors import MacMoesdError
 
 

@@ -9,7 +9,7 @@ from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models
 from mac_moesd.machine import memory
-from mac_moesd.measure import sweep
+from mac_moesd.measure.forward import sweep
 from mac_moesd.results import ResultsStore
 from conftest import TINY_BUDGET
 from test_fit import K_KV, L, synthetic_fit_document, synthetic_results, true_time

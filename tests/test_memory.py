@@ -11,7 +11,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models
-from mac_moesd.measure import sweep
+from mac_moesd.measure.forward import sweep
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.pipeline import estimate
@@ -233,12 +233,12 @@ def test_the_sd_estimate_counts_the_audits_fresh_caches_beside_the_decodes():
 
 
 def test_spec_slices_target_and_drafter_alike_or_refuses():
-    from mac_moesd.measure import spec
+    from mac_moesd.measure.sd import speedup
 
-    cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=16)
-    target, draft, need = spec.plan_models(cfg, None)
+    cfg = speedup.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=16)
+    target, draft, need = speedup.plan_models(cfg, None)
     assert target.layers == 4 and draft.layers == 2
-    target, draft, need = spec.plan_models(cfg, need["peak_bytes"] - 1)
+    target, draft, need = speedup.plan_models(cfg, need["peak_bytes"] - 1)
     assert target.layers == 2 and draft.layers == 1
     with pytest.raises(MacMoesdError, match="B is usable here"):
-        spec.plan_models(cfg, 1000)
+        speedup.plan_models(cfg, 1000)

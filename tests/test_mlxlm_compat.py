@@ -15,7 +15,11 @@ from mlx_lm.models.cache import CacheList, KVCache
 from mac_moesd import mlxlm_compat
 from mac_moesd.cli import cli
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import cache_copy, gather, routing, selftest, spec, sweep
+from mac_moesd.measure.caches import cache_copy
+from mac_moesd.measure.experts import gather, routing
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.sd import speedup
+from mac_moesd.pipeline import selftest
 from mac_moesd.results import ResultsStore
 
 META = {"chip_slug": "test", "backend": "cpu", "versions": {"mlx": mx.__version__}, "blas": {"name": "x"}}
@@ -83,9 +87,9 @@ def test_a_sweep_of_a_saved_model_runs_without_mlx_lms_private_helpers(tmp_path,
 @pytest.mark.slow  # loads and times models end to end
 def test_the_sd_loop_runs_without_mlx_lms_private_helpers(monkeypatch):
     remove_private_names(monkeypatch)
-    cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1, 2), gammas=(2,), mode="self-draft",
+    cfg = speedup.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1, 2), gammas=(2,), mode="self-draft",
                           context=8, new_tokens=4, repeats=1)
-    doc = spec.run_spec(cfg)
+    doc = speedup.run_spec(cfg)
     assert [r["batch"] for r in doc["runs"]] == [1, 2]
     assert all(r["mean_accepted"] == 2 for r in doc["runs"])  # self-draft: every draft accepted
 

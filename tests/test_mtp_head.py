@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 from mac_moesd.analysis import fit
 from mac_moesd.cli import cli
 from mac_moesd.inputs import models
-from mac_moesd.measure.mtp_head import MTPHead
-from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.measure.decoding.mtp_head import MTPHead
+from mac_moesd.measure.decoding.sd_loop import Decoder
 from test_fit import hand_fit_doc
 
 

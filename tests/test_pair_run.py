@@ -13,7 +13,7 @@ from mac_moesd.pipeline import estimate, pair_stages, plans
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models, pairs, zoo
-from mac_moesd.measure import spec
+from mac_moesd.measure.sd import speedup
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,9 @@ def cache_snapshot(root, repo, folder):
 
 
 def spec_peak(plan, target, draft):
-    cfg = spec.SpecConfig(target=target, draft=draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
+    cfg = speedup.SpecConfig(target=target, draft=draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
                           mode="real", context=plan.context, new_tokens=plan.spec_tokens)
-    return spec.estimate(cfg, models.build(models.resolve(target)), models.build(models.resolve(draft)))["peak_bytes"]
+    return speedup.estimate(cfg, models.build(models.resolve(target)), models.build(models.resolve(draft)))["peak_bytes"]
 
 
 def test_the_default_run_takes_the_first_cached_pair_that_fits(tmp_path, monkeypatch, own_pair):
@@ -132,7 +132,7 @@ def test_dry_run_of_a_pair(own_pair):
 
 def test_routing_on_a_prompt_set_uses_the_tokenizer_one_sequence_per_prompt(tmp_path, own_pair):
     from mac_moesd.inputs.prompts import load_prompts
-    from mac_moesd.measure import routing, routing_trace
+    from mac_moesd.measure.experts import routing, routing_trace
 
     target, _ = own_pair
     cfg = routing.RoutingConfig(model=str(target), prompts="chat", batches=(1, 2, 4, 64), tokens=(1, 2, 4),
@@ -164,7 +164,7 @@ def pair_store(tmp_path, traces: dict[str, tuple[int, int]], tokens=(1, 2, 3, 4)
     import numpy as np
     from test_report import tiny_plan
 
-    from mac_moesd.measure import routing_trace
+    from mac_moesd.measure.experts import routing_trace
     from mac_moesd.results import ResultsStore
 
     plan = plans.PairPlan(replace(tiny_plan(), tokens=tokens), "t", "d", ("code", "chat"))
@@ -181,7 +181,7 @@ def pair_store(tmp_path, traces: dict[str, tuple[int, int]], tokens=(1, 2, 3, 4)
 
 
 def test_the_pair_sweep_replays_the_prompt_sets_traces_interleaved(tmp_path):
-    from mac_moesd.measure import routing_trace
+    from mac_moesd.measure.experts import routing_trace
 
     plan, store = pair_store(tmp_path, {"code": (3, 4), "chat": (2, 4)})
     record = pair_stages.sweep_routing(store, plan)
@@ -306,7 +306,7 @@ def check_sweep_replays_the_prompts(folder, data, md, target, draft, prompt_sets
     counts the experts of the trace window it replayed."""
     import numpy as np
 
-    from mac_moesd.measure import routing_trace
+    from mac_moesd.measure.experts import routing_trace
 
     path = folder / "traces" / trace_name
     trace = routing_trace.load_trace(path)
@@ -415,7 +415,7 @@ def test_a_pair_saved_by_the_test_runs_through_the_same_command(tmp_path, tiny_g
 
 @pytest.mark.slow
 def test_a_failing_pair_stage_is_skipped_and_named(tmp_path, tiny_grid, tiny_pair, monkeypatch):
-    from mac_moesd.measure import routing
+    from mac_moesd.measure.experts import routing
 
     def metal_failure(*args, **kwargs):
         raise RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory")

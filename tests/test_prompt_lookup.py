@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mac_moesd.analysis import acceptance
-from mac_moesd.measure.prompt_lookup import LookupRule, PromptLookup, propose
-from mac_moesd.measure.round_parts import RoundParts, lookup_prediction
+from mac_moesd.measure.decoding.prompt_lookup import LookupRule, PromptLookup, propose
+from mac_moesd.measure.sd.round_parts import RoundParts, lookup_prediction
 
 
 def proposal(tokens, gamma=3, rule=LookupRule()):
@@ -93,7 +93,7 @@ def prompt_ids(tiny_pair):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_prompt_lookup_at_temperature_0_emits_plain_greedy_decoding(target, prompt_ids, batch):
-    from mac_moesd.measure.spec_loop import Decoder, common_prompt
+    from mac_moesd.measure.decoding.sd_loop import Decoder, common_prompt
 
     decoder = Decoder(target, None, common_prompt(prompt_ids[:batch]), lookup=LookupRule())
     out = decoder.speculative(40, 4, "real")

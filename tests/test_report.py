@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from mac_moesd.reporting import compare, report
 from mac_moesd.analysis import fit
-from mac_moesd.measure import routing, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.experts import routing
 from mac_moesd.pipeline import plans, stages
 from mac_moesd.progress import Progress
 from mac_moesd.cli import cli
@@ -183,7 +184,7 @@ def tiny_plan():
                            decode_chain=8)
     from dataclasses import replace
 
-    from mac_moesd.measure import roofline
+    from mac_moesd.measure.peaks import roofline
 
     return replace(plan, moe=("tiny-moe",), batches=(1, 2, 4), tokens=(1, 2, 3, 4), context=16,
                    budget=budget, spec_batches=(1, 2), spec_gammas=(2,), spec_tokens=4, spec_repeats=1,

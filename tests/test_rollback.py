@@ -11,8 +11,8 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, Concate
 from mac_moesd import mlxlm_compat
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs import models
-from mac_moesd.measure import cache_copy
-from mac_moesd.measure.rolled_cache import RolledBackCache
+from mac_moesd.measure.caches import cache_copy
+from mac_moesd.measure.caches.rolled_cache import RolledBackCache
 
 HEAD = 64  # QuantizedKVCache quantizes groups of 32 along the head
 
@@ -186,7 +186,7 @@ def test_a_cache_that_cannot_trim_gives_the_second_context_its_prefill_passed(na
 def test_a_trim_that_would_take_back_fewer_tokens_is_never_used():
     from mlx_lm.models.cache import ChunkedKVCache, KVCache
 
-    from mac_moesd.measure import rollback
+    from mac_moesd.measure.caches import rollback
 
     chunked = ChunkedKVCache(chunk_size=8)
     chunked.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))

@@ -15,9 +15,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, trim_prom
 from mac_moesd.cli import cli
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import rollback, spec
-from mac_moesd.measure.rollback_audit import audit_caches, compare_caches
-from mac_moesd.measure.spec_loop import Decoder
+from mac_moesd.measure.caches import rollback
+from mac_moesd.measure.sd import speedup
+from mac_moesd.measure.caches.rollback_audit import audit_caches, compare_caches
+from mac_moesd.measure.decoding.sd_loop import Decoder
 from mac_moesd.results import schema, validate
 
 VOCAB = 256
@@ -194,7 +195,7 @@ def test_a_cache_class_it_does_not_know_is_refused_by_name():
 
 
 def test_a_spec_run_on_a_hybrid_records_its_rollback_and_audit():
-    doc = spec.run_spec(spec.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1, 2),
+    doc = speedup.run_spec(speedup.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1, 2),
                                         gammas=(2,), mode="emulated-acceptance", alphas=(0.7,),
                                         context=8, new_tokens=8, repeats=1))
     assert doc["valid"] is True
@@ -208,10 +209,10 @@ def test_a_spec_run_on_a_hybrid_records_its_rollback_and_audit():
 
 
 def test_real_batch_one_on_a_hybrid_runs_in_the_suites_loop_not_mlx_lm():
-    doc = spec.run_spec(spec.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1,),
+    doc = speedup.run_spec(speedup.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1,),
                                         gammas=(2,), mode="real", context=8, new_tokens=6, repeats=1))
     (run,) = doc["runs"]
-    assert run["engine"] == spec.LOOP_FOR_MLX_LM and run["rollback"]["audit"]["ok"] and run["valid"]
+    assert run["engine"] == speedup.LOOP_FOR_MLX_LM and run["rollback"]["audit"]["ok"] and run["valid"]
 
 
 def test_spec_exits_1_when_a_rollback_did_not_restore(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import TINY_BUDGET
 
-from mac_moesd.measure import kernels, roofline
+from mac_moesd.measure.peaks import kernels, roofline
 from mac_moesd.cli import cli
 
 TINY = roofline.RooflineConfig(
@@ -227,7 +227,7 @@ def test_a_chain_turns_through_the_copies_across_evaluations():
     used = []
     copies = [(mx.array([float(k)]),) for k in range(3)]
     step = roofline._chain(lambda x, w: used.append(int(w.item())) or x, copies, mx.zeros((1, 1)))
-    from mac_moesd.measure import timing
+    from mac_moesd.measure.clock import timing
 
     for _ in range(2):
         timing.chained(step, 2).run()

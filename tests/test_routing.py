@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mac_moesd.inputs import localmodel, models, texts, zoo
-from mac_moesd.measure import routing
+from mac_moesd.measure.experts import routing
 from mac_moesd.analysis import theory
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput

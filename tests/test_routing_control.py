@@ -13,7 +13,8 @@ from mac_moesd.analysis.digest import Digest
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import gather, routing, routing_control, routing_trace, sweep
+from mac_moesd.measure.experts import gather, routing, routing_control, routing_trace
+from mac_moesd.measure.forward import sweep
 from mac_moesd.reporting import report
 from mac_moesd.results import ResultsStore, load_results
 

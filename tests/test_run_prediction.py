@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mac_moesd.analysis import fit
-from mac_moesd.measure.spec import _prediction_record
+from mac_moesd.measure.sd.speedup import _prediction_record
 from mac_moesd.reporting.formatting import NEWER_FIT_NOTE, newer_fit_note, predicted_cells
 from mac_moesd.results import schema
 from test_fit import hand_fit_doc, synthetic_fit_document

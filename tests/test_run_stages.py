@@ -8,7 +8,10 @@ import pytest
 from click.testing import CliRunner
 from test_report import Machine, tiny_plan
 
-from mac_moesd.measure import roofline, routing, spec, sweep
+from mac_moesd.measure.experts import routing
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.peaks import roofline
+from mac_moesd.measure.sd import speedup
 from mac_moesd.pipeline import plans, stages
 from mac_moesd.cli import cli
 from mac_moesd.errors import MacMoesdError
@@ -60,7 +63,7 @@ def test_a_failed_sweep_skips_its_fit_and_spec_with_reasons(tmp_path, monkeypatc
 
 
 def test_nothing_measured_exits_1(tmp_path, monkeypatch):
-    for module, name in ((sweep, "run_sweep"), (routing, "run_routing"), (spec, "run_spec")):
+    for module, name in ((sweep, "run_sweep"), (routing, "run_routing"), (speedup, "run_spec")):
         monkeypatch.setattr(module, name, metal_failure)
     monkeypatch.setattr(roofline, "run_roofline", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
@@ -93,14 +96,14 @@ def test_cli_run_into_an_unwritable_folder_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_an_sd_run_that_fails_its_audit_fails_its_stage_and_is_measured_again(tmp_path, monkeypatch):
-    real = spec.run_spec
+    real = speedup.run_spec
 
     def invalid(*args, **kwargs):
         document = real(*args, **kwargs)
         document["runs"][0]["valid"] = document["valid"] = False
         return document
 
-    monkeypatch.setattr(spec, "run_spec", invalid)
+    monkeypatch.setattr(speedup, "run_spec", invalid)
     store = ResultsStore(tmp_path / "results.json", META)
     outcome = stages.run_all(tiny_plan(), store, Machine(), None)
     assert outcome.exit_status == 3

@@ -3,8 +3,8 @@ from its sources, cited per sample) to the record worked out by hand."""
 
 import pytest
 
-from mac_moesd.measure import sd_counters
-from mac_moesd.measure.sd_counters import Counts
+from mac_moesd.measure.server import sd_counters
+from mac_moesd.measure.server.sd_counters import Counts
 
 # vLLM 0.34.0, vllm/v1/spec_decode/metrics.py (prometheus_client Counters, labels engine and
 # model_name, per position 0..k-1), exported with their _created timestamps (single API server).

@@ -2,9 +2,10 @@
 
 import pytest
 
-from mac_moesd.measure import spec, timing
-from mac_moesd.measure.round_parts import round_prediction
-from mac_moesd.measure.spec_loop import Decoded
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.sd import speedup
+from mac_moesd.measure.sd.round_parts import round_prediction
+from mac_moesd.measure.decoding.sd_loop import Decoded
 
 
 def test_bootstrap_ci_of_two_values_spans_them():
@@ -20,7 +21,7 @@ def test_bootstrap_ci_of_two_values_spans_them():
 
 
 def test_enough_pairs_after_the_minimum_once_the_ci_is_tight_or_the_budget_spent():
-    p = spec.Precision(min_pairs=3, target=0.03, budget_s=10.0)
+    p = speedup.Precision(min_pairs=3, target=0.03, budget_s=10.0)
     assert not p.enough([1.0, 1.0], 0.0)  # fewer than the minimum, however tight
     assert p.enough([1.0, 1.0, 1.0], 0.0)  # CI of zero width
     noisy = [0.6, 1.4, 0.8, 1.2]
@@ -31,14 +32,14 @@ def test_enough_pairs_after_the_minimum_once_the_ci_is_tight_or_the_budget_spent
 def _fake_runs(monkeypatch, times):
     """paired() over fake runs whose speedups are given, on a clock that advances 1 s a call."""
     clock = iter(range(10_000))
-    monkeypatch.setattr(spec.time, "perf_counter", lambda: float(next(clock)))
-    monkeypatch.setattr(spec, "settle", lambda: None)
-    return spec.paired(lambda: Decoded(10), lambda: Decoded(10), lambda i: None, times)
+    monkeypatch.setattr(speedup.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(speedup, "settle", lambda: None)
+    return speedup.paired(lambda: Decoded(10), lambda: Decoded(10), lambda i: None, times)
 
 
 def test_paired_stops_at_the_minimum_when_every_pair_agrees(monkeypatch):
     # Every pair takes 1 s each way on the fake clock: speedup 1, CI of zero width.
-    plain_times, spec_times, *_ = _fake_runs(monkeypatch, spec.Precision(4, 0.03, 1e9))
+    plain_times, spec_times, *_ = _fake_runs(monkeypatch, speedup.Precision(4, 0.03, 1e9))
     assert len(plain_times) == len(spec_times) == 4
 
 
@@ -47,8 +48,8 @@ def test_paired_stops_when_its_budget_is_spent(monkeypatch):
     # (0 at the first reading, +1 s a reading): the start reads 0, the first check 1; each pair
     # reads 4 times (two timed runs) and then checks, so after n pairs the check reads 1 + 5n,
     # which first reaches 60 at n = 12.
-    precision = spec.Precision(2, 0.03, 60.0)
-    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups, ci=None: 1.0)
+    precision = speedup.Precision(2, 0.03, 60.0)
+    monkeypatch.setattr(speedup.Precision, "half_width", lambda self, speedups, ci=None: 1.0)
     plain_times, spec_times, *_ = _fake_runs(monkeypatch, precision)
     assert len(plain_times) == len(spec_times) == 12
     assert plain_times == spec_times == [1.0] * 12
@@ -92,7 +93,7 @@ def test_the_empty_round_runs_the_loops_own_decision(monkeypatch):
     import mlx.core as mx
     import numpy as np
 
-    from mac_moesd.measure import bookkeeping
+    from mac_moesd.measure.decoding import bookkeeping
 
     called = []
 
@@ -102,7 +103,7 @@ def test_the_empty_round_runs_the_loops_own_decision(monkeypatch):
 
     for name in ("accept", "advance"):
         monkeypatch.setattr(bookkeeping, name, spy(name))
-    from mac_moesd.measure.spec_loop import sample
+    from mac_moesd.measure.decoding.sd_loop import sample
 
     point = bookkeeping.bookkeeping_point(2, 3, 50, "real", lambda logits: sample(logits, 0.0))
     kept, following, drafted, emitted = point.run()
@@ -116,9 +117,9 @@ def test_the_empty_round_runs_the_loops_own_decision(monkeypatch):
 
 @pytest.mark.slow  # loads and times models end to end
 def test_every_run_records_its_precision_and_both_predictions():
-    cfg = spec.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=8,
+    cfg = speedup.SpecConfig(target="tiny-moe", draft="tiny-draft", batches=(1,), gammas=(2,), context=8,
                           new_tokens=4, repeats=3, precision=0.5, budget_s=0.5)
-    (run,) = spec.run_spec(cfg, sweep_step=lambda batch: 1.0)["runs"]
+    (run,) = speedup.run_spec(cfg, sweep_step=lambda batch: 1.0)["runs"]
     assert 3 <= run["pairs"] and run["budget_s"] == 0.5 and run["precision"] == 0.5
     low, high = run["measured_ci"]
     assert low <= run["measured_speedup"] <= high
@@ -148,7 +149,7 @@ def test_every_run_records_its_precision_and_both_predictions():
     ([0.6, 0.9, 0.65], True, 0.0, None),  # fewer than the minimum pairs
 ])
 def test_why_a_configuration_stops(speedups, quick, elapsed, reason):
-    precision = spec.Precision(min_pairs=8 if len(speedups) == 8 else 4, target=0.03, budget_s=30.0,
+    precision = speedup.Precision(min_pairs=8 if len(speedups) == 8 else 4, target=0.03, budget_s=30.0,
                                stop_when_decided=quick)
     assert precision.stop_reason(speedups, elapsed) == reason
 
@@ -169,8 +170,8 @@ def test_the_measured_round_beside_its_priced_parts():
     # 2 sequences, 1.5 drafts accepted a round: 2.5 tokens a sequence a round; SD at 500 tok/s in
     # all is 250 a sequence, so a round took 2.5/250 = 10 ms.
     run = {"batch": 2, "mean_accepted": 1.5, "tokens_per_s_sd": 500.0}
-    assert spec.measured_round_s(run) == pytest.approx(0.010)
-    assert spec.measured_round_s({**run, "mean_accepted": None}) is None
+    assert speedup.measured_round_s(run) == pytest.approx(0.010)
+    assert speedup.measured_round_s({**run, "mean_accepted": None}) is None
     parts = {"draft_s": 0.002, "verify_s": 0.006, "reject_s": 0.0, "rollback_s": 0.0005, "round_s": 0.0085}
     assert formatting.round_cell({"round": {**parts, "measured_s": 0.010}}).endswith("= 8.5 ms (measured 10 ms)")
     assert formatting.round_cell({"round": parts}).endswith("= 8.5 ms")
@@ -218,25 +219,25 @@ def test_the_round_adds_up_to_the_measured_round_on_a_fake_clock(monkeypatch, ba
 
     import numpy as np
 
-    from mac_moesd.measure.round_parts import RoundParts, round_prediction
+    from mac_moesd.measure.sd.round_parts import RoundParts, round_prediction
 
     clock = _Clock()
     monkeypatch.setattr(time, "perf_counter", clock)
     model = _CostedModel(clock, 1e-3, 0.25e-3)
     rng = np.random.default_rng(0)
-    cfg = spec.SpecConfig(target="fake", draft="fake", batches=(batch,), gammas=(gamma,), mode="self-draft",
+    cfg = speedup.SpecConfig(target="fake", draft="fake", batches=(batch,), gammas=(gamma,), mode="self-draft",
                           new_tokens=2 * (gamma + 1), repeats=3)
-    decoders = spec.Decoders(model, model, batch, spec.PromptIds(spec.RANDOM_IDS, None, "random"), 8, rng,
+    decoders = speedup.Decoders(model, model, batch, speedup.PromptIds(speedup.RANDOM_IDS, None, "random"), 8, rng,
                              model.vocab)
     parts = RoundParts(batch, gamma, model.vocab, with_reject=False, mode="self-draft")
-    row, _, spec_out = spec.loop_run(decoders, cfg, gamma, None, 0.0, rng, parts)
+    row, _, spec_out = speedup.loop_run(decoders, cfg, gamma, None, 0.0, rng, parts)
 
     def step(tokens):
         return 1e-3 + 0.25e-3 * batch * tokens
 
     assert row["plain_step_s"] == pytest.approx(step(1))
     priced = round_prediction(parts.medians(), row["plain_step_s"], 1.0, gamma, batch, catch_up=True)
-    measured = spec.measured_round_s({**row, "mean_accepted": gamma, "batch": batch})
+    measured = speedup.measured_round_s({**row, "mean_accepted": gamma, "batch": batch})
     # by hand: (gamma + 1) one-token steps and one verify of gamma + 1 tokens per sequence
     assert measured == pytest.approx((gamma + 1) * step(1) + step(gamma + 1))
     assert priced["round_s"] == pytest.approx(measured)

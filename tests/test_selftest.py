@@ -6,7 +6,9 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mac_moesd.measure import kernels, selftest, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.peaks import kernels
+from mac_moesd.pipeline import selftest
 from mac_moesd.cli import cli
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from mac_moesd.errors import MacMoesdError
-from mac_moesd.measure import server_process, serving
+from mac_moesd.measure.server import server_process, serving
 from mac_moesd.pipeline import serving_stage
-from mac_moesd.measure.serving import LegConfig, RequestRecord
+from mac_moesd.measure.server.serving import LegConfig, RequestRecord
 from mac_moesd.results import ResultsStore
 
 from fake_openai_server import ACCEPTED, DRAFTED, TOKENS, FakeServer
@@ -330,7 +330,7 @@ def test_server_that_cannot_start_names_its_log_and_exits_1(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from mac_moesd.measure import server_process
+            from mac_moesd.measure.server import server_process
             server_process.default_command = lambda: ["/nonexistent/mlx_lm-server"]
             from mac_moesd.cli import cli
             sys.argv = ["mac-moesd", "serving", {str(fake_model(tmp_path))!r}, "--out", {str(out)!r},
@@ -405,7 +405,7 @@ def test_a_pid_file_naming_someone_elses_process_kills_nothing(tmp_path):
 RUNNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from mac_moesd.measure import server_process
+    from mac_moesd.measure.server import server_process
     cfg = server_process.ServerConfig(name="plain", model=Path(sys.argv[1]),
                                       command=(sys.executable, sys.argv[2], "--mode", "ok"), ready_timeout_s=20)
     with server_process.sigterm_as_interrupt():

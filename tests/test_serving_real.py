@@ -46,7 +46,7 @@ def test_a_stock_mlx_lm_server_without_a_hugging_face_cache_is_measured_by_url(t
     folder exists, so its /v1/models cannot list anything; the suite measures it by URL."""
     import httpx
 
-    from mac_moesd.measure import server_process
+    from mac_moesd.measure.server import server_process
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hugging-face-cache"))
     served, _ = server_process.cpu_servable(Path(tiny_pair[0]), tmp_path / "copies")

@@ -6,7 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from mac_moesd.analysis import fit
-from mac_moesd.measure import sampling, spec
+from mac_moesd.measure.decoding import sampling
+from mac_moesd.measure.sd import speedup
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 
@@ -18,12 +19,12 @@ def small(mode, **kw):
     args = dict(target="tiny-moe", draft="tiny-draft", batches=(1, 2), gammas=(2,), mode=mode,
                 context=8, new_tokens=4, repeats=1)
     args.update(kw)
-    return spec.SpecConfig(**args)
+    return speedup.SpecConfig(**args)
 
 
 @pytest.mark.slow  # loads and times models end to end
 def test_self_draft_accepts_everything():
-    doc = spec.run_spec(small("self-draft"))
+    doc = speedup.run_spec(small("self-draft"))
     assert doc["draft"] == "tiny-moe"
     for run in doc["runs"]:
         assert KEYS <= set(run)
@@ -43,7 +44,7 @@ def test_emulated_acceptance_imposes_alpha_and_predicts_at_the_realised_one():
         calls.append((b, g, a, self_draft, context))
         return 1.5
 
-    doc = spec.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
+    doc = speedup.run_spec(small("emulated-acceptance", alphas=(0.5,), new_tokens=16), predictor)
     # The predictor says 1.5 at every gamma, so gamma 1 (the first best) is timed beside gamma 2.
     assert [(r["batch"], r["gamma"], r["asked"], r["recommended"]) for r in doc["runs"]] == [
         (1, 2, True, False), (2, 2, True, False), (1, 1, False, True), (2, 1, False, True)]
@@ -63,7 +64,7 @@ def test_real_mode_predicts_with_the_alpha_solved_from_accepted_length():
         calls.append(a)
         return 1.0
 
-    doc = spec.run_spec(small("real", batches=(1, 2), new_tokens=8), predictor)
+    doc = speedup.run_spec(small("real", batches=(1, 2), new_tokens=8), predictor)
     doc["runs"] = [r for r in doc["runs"] if r["asked"]]
     mlx_run, loop_run = doc["runs"]
     assert mlx_run["engine"] == "mlx-lm" and mlx_run["mode"] == "real"
@@ -119,12 +120,12 @@ def test_a_runs_prediction_takes_the_acceptance_it_realised():
 
 
 def test_a_timed_runs_speedup_carries_the_range_over_its_pairs():
-    from mac_moesd.measure.spec_loop import Decoded
+    from mac_moesd.measure.decoding.sd_loop import Decoded
     from mac_moesd.reporting.formatting import measured_speedup
 
     out = [Decoded(10)] * 3
-    row = spec.summarise_pairs(out, [1.0, 1.0, 1.0], out, [0.5, 1.0, 0.8],  # pair speedups 2, 1, 1.25
-                               spec.Precision(3, 0.03, 30.0))
+    row = speedup.summarise_pairs(out, [1.0, 1.0, 1.0], out, [0.5, 1.0, 0.8],  # pair speedups 2, 1, 1.25
+                               speedup.Precision(3, 0.03, 30.0))
     assert row["measured_speedup"] == pytest.approx(1.25)
     assert row["speedup_range"] == pytest.approx([1.0, 2.0])
     # Resamples of (2, 1, 1.25) have medians in [1, 2]; the 95% CI over 2000 of them spans both.
@@ -158,13 +159,13 @@ def test_mlx_lm_leaves_a_forward_queued_and_each_timed_run_waits_for_it_first(mo
     assert len(tokens) == 4 and len(calls) == 5
 
     events = []
-    monkeypatch.setattr(spec.mx, "synchronize", lambda stream=None: events.append(
+    monkeypatch.setattr(speedup.mx, "synchronize", lambda stream=None: events.append(
         "wait generation" if stream is generation_stream else "wait default"))
-    from mac_moesd.measure.spec_loop import Decoded
+    from mac_moesd.measure.decoding.sd_loop import Decoded
 
-    monkeypatch.setattr(spec.Precision, "half_width", lambda self, speedups, ci=None: 0.0)  # two pairs, however timed
-    spec.paired(lambda: events.append("plain") or Decoded(1), lambda: events.append("sd") or Decoded(1),
-                lambda i: events.append(f"prepare {i}"), spec.Precision(2, 0.5, 60.0))
+    monkeypatch.setattr(speedup.Precision, "half_width", lambda self, speedups, ci=None: 0.0)  # two pairs, however timed
+    speedup.paired(lambda: events.append("plain") or Decoded(1), lambda: events.append("sd") or Decoded(1),
+                lambda i: events.append(f"prepare {i}"), speedup.Precision(2, 0.5, 60.0))
     ready = lambda i: [f"prepare {i}", "wait generation", "wait default"]  # noqa: E731
     assert events == [*ready(0), "plain", *ready(0), "sd",  # the warm-up pair
                       *ready(0), "plain", *ready(0), "sd", *ready(1), "plain", *ready(1), "sd",
@@ -176,7 +177,7 @@ def test_the_drafters_catch_up_is_evaluated_inside_the_timed_run():
     after the decode returns, evaluating the drafter's cache must allocate nothing (nothing is
     left to compute)."""
     from mac_moesd.inputs import models
-    from mac_moesd.measure.spec_loop import Decoder
+    from mac_moesd.measure.decoding.sd_loop import Decoder
 
     built = models.build(models.resolve("tiny-moe"), None, None, None, seed=0)
     built.materialise()
@@ -193,7 +194,7 @@ def test_every_token_is_chosen_in_the_vocabulary_both_models_read():
     """A drafter padded four times wider than its target proposes ids the target has no
     embedding for; the loop (and mlx-lm's sampler, wrapped) chooses among the shared ids only."""
     from mac_moesd.inputs import models
-    from mac_moesd.measure.spec_loop import Decoder
+    from mac_moesd.measure.decoding.sd_loop import Decoder
 
     target = models.build(models.resolve("tiny-moe"), None, None, None, seed=0)
     vocab = target.config["vocab_size"]
@@ -209,5 +210,5 @@ def test_every_token_is_chosen_in_the_vocabulary_both_models_read():
     decoder.reset()
     assert decoder.plain(8).outputs.max() < vocab
     logprobs = mx.zeros((1, 4 * vocab)).at[0, 3 * vocab].add(5.0)
-    assert int(spec.shared_sampler(0.0, vocab)(logprobs)[0]) < vocab
-    assert int(spec.shared_sampler(1.0, vocab)(logprobs)[0]) < vocab
+    assert int(speedup.shared_sampler(0.0, vocab)(logprobs)[0]) < vocab
+    assert int(speedup.shared_sampler(1.0, vocab)(logprobs)[0]) < vocab

@@ -14,9 +14,9 @@ from mac_moesd.analysis import acceptance
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models, prompts
-from mac_moesd.measure import spec
-from mac_moesd.measure.acceptance_run import greedy_check, measure_acceptance
-from mac_moesd.measure.spec_loop import Decoder, common_prompt
+from mac_moesd.measure.sd import speedup
+from mac_moesd.measure.decoding.acceptance_run import greedy_check, measure_acceptance
+from mac_moesd.measure.decoding.sd_loop import Decoder, common_prompt
 
 # On a GPU, float16 near-ties may flip an argmax between a one-token step and a verify forward:
 # spec reports the mismatch rate there; on the CPU backend SD must reproduce greedy exactly.
@@ -52,7 +52,7 @@ def test_loop_at_temperature_0_equals_greedy(pair, batch):
     decoder.reset()
     plain = decoder.plain(24)
     assert 0 < np.mean(sd.per_round) < 3  # the drafter is right sometimes, not always
-    # A batch emits its shared accepted prefix each round (spec_loop), so it may emit fewer than 24.
+    # A batch emits its shared accepted prefix each round (sd_loop), so it may emit fewer than 24.
     emitted = min(sd.outputs.shape[1], 24)
     assert emitted >= 24 // (batch if batch > 1 else 1) // 2
     np.testing.assert_array_equal(sd.outputs[:, :emitted], plain.outputs[:, :emitted])
@@ -137,7 +137,7 @@ def test_spec_real_code_json_measured_beside_predicted(tiny_pair, tmp_path):
 
 def test_spec_temperature_1_rows_carry_both_rules(tiny_pair):
     target, draft = tiny_pair
-    cfg = spec.SpecConfig(target=target, draft=draft, batches=(2,), gammas=(2,), mode="real",
+    cfg = speedup.SpecConfig(target=target, draft=draft, batches=(2,), gammas=(2,), mode="real",
                           new_tokens=8, repeats=1, prompts="chat", temperatures=(1.0,), max_prompts=3)
     calls = []
 
@@ -146,7 +146,7 @@ def test_spec_temperature_1_rows_carry_both_rules(tiny_pair):
         return 1.0 + alpha
 
     # 1 + alpha at every gamma: gamma 1 is the first best and is timed too; the asked run is gamma 2.
-    (run,) = [r for r in spec.run_spec(cfg, predictor)["runs"] if r["asked"]]
+    (run,) = [r for r in speedup.run_spec(cfg, predictor)["runs"] if r["asked"]]
     assert run["temperature"] == 1.0 and "greedy_check" not in run
     rules = run["rules"]
     assert rules["rejection"]["predicted_speedup"] == pytest.approx(1 + rules["rejection"]["alpha"])
@@ -165,7 +165,7 @@ def test_prompts_on_random_weights_are_refused(tmp_path):
 
 def test_temperature_needs_real_mode():
     with pytest.raises(BadInput, match="--mode real"):
-        spec.SpecConfig(target="tiny-moe", draft="tiny-draft", temperatures=(1.0,))
+        speedup.SpecConfig(target="tiny-moe", draft="tiny-draft", temperatures=(1.0,))
 
 
 def test_bad_prompt_file_is_a_usage_error(tiny_pair, tmp_path):

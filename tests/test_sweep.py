@@ -7,7 +7,7 @@ from mlx_lm.utils import save_config, save_model
 
 from mac_moesd.analysis import depth
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import sweep
+from mac_moesd.measure.forward import sweep
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore, load_results
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mac_moesd.measure import timing
+from mac_moesd.measure.clock import timing
 
 
 def test_summarise_statistics():

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_report import tiny_plan  # noqa: E402
 
 from mac_moesd.pipeline import plans  # noqa: E402
-from mac_moesd.measure import roofline  # noqa: E402
+from mac_moesd.measure.peaks import roofline  # noqa: E402
 
 PLAN = tiny_plan()
 plans.default_plan = lambda backend, quick, full=False: PLAN

@@ -11,7 +11,12 @@ from typing import Any, Callable, Mapping
 from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.machine import blas, hardware, memory, metadata
-from mac_moesd.measure import roofline, routing, selftest, spec, sweep, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.experts import routing
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.peaks import roofline
+from mac_moesd.measure.sd import speedup
+from mac_moesd.pipeline import selftest
 from mac_moesd.pipeline import estimate, pair_stages, plans, stages
 from mac_moesd.pipeline.runner import Outcome
 from mac_moesd.progress import Progress
@@ -83,7 +88,7 @@ def run_sweep(cfg: sweep.SweepConfig, out: Path | None, memory_limit_gib: float 
 def cluster_sweep(cfg: sweep.SweepConfig, parallel: str, out: Path | None, memory_limit_gib: float | None,
                   rank_timeout: float | None, progress: Progress, warn: Warn) -> dict | None:
     """The sweep of a model sharded over the ranks of mlx.launch; None on ranks other than 0."""
-    from mac_moesd.measure import distributed
+    from mac_moesd.measure.cluster import distributed
 
     document = distributed.run_cluster_sweep(cfg, parallel, out, memory.limit_bytes(memory_limit_gib),
                                              rank_timeout or distributed.DEFAULT_TIMEOUT_S, progress)
@@ -182,15 +187,15 @@ def stored_predictor(store: ResultsStore, target: str, name: str, warn: Warn, dr
     return predictor
 
 
-def run_spec(cfg: spec.SpecConfig, memory_limit_gib: float | None, out: Path | None, warn: Warn) -> dict:
+def run_spec(cfg: speedup.SpecConfig, memory_limit_gib: float | None, out: Path | None, warn: Warn) -> dict:
     """`mac-moesd spec`: measured SD beside the stored fit's prediction."""
     usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
-    sources = spec.resolve_sources(cfg)
+    sources = speedup.resolve_sources(cfg)
     name = sources.target.name
     predictor = stored_predictor(store, cfg.target, name, warn, cfg.drafter_kind)
     with hardware.measuring_stage():
-        document = spec.run_spec(cfg, predictor, usable.usable_bytes, fit.sweep_plain_step(store.data, name), sources)
+        document = speedup.run_spec(cfg, predictor, usable.usable_bytes, fit.sweep_plain_step(store.data, name), sources)
     key = spec_key(document["target"], document["draft"], cfg.mode,
                    document["prompts"]["name"] if document["prompts"]["count"] else None)
     store.put("spec", key, document)

@@ -21,7 +21,11 @@ from pathlib import Path
 
 from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models, zoo
-from mac_moesd.measure import roofline, routing, spec, sweep, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.experts import routing
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.peaks import roofline
+from mac_moesd.measure.sd import speedup
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts
@@ -227,11 +231,11 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     target = plan.moe[0]
     assert plan.draft is not None  # a zoo plan always has its drafter model
-    cfg = spec.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
+    cfg = speedup.SpecConfig(target=target, draft=plan.draft, batches=plan.spec_batches, gammas=plan.spec_gammas,
                           alphas=(theory.DEFAULT_ALPHA,), context=plan.context, new_tokens=plan.spec_tokens,
                           repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits,
                           stop_when_decided=plan.spec_stop_when_decided)
-    t, d, need = spec.plan_models(cfg, usable, dtype)
+    t, d, need = speedup.plan_models(cfg, usable, dtype)
     seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
     for batch in cfg.batches:
         seconds += _prefills(t, d, rates, batch, cfg.context)
@@ -246,8 +250,8 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
             **({"assumes": SD_STOP_ASSUMED} if cfg.stop_when_decided else {})}
 
 
-def _configuration_seconds(cfg: spec.SpecConfig, plain: float, sd: float, prefill: float = 0.0) -> float:
-    """One SD configuration as ``spec.paired`` runs it: a warm-up pair, then pairs (each with a
+def _configuration_seconds(cfg: speedup.SpecConfig, plain: float, sd: float, prefill: float = 0.0) -> float:
+    """One SD configuration as ``speedup.paired`` runs it: a warm-up pair, then pairs (each with a
     prefill where ``prefill``) until the precision is expected to be met (``PAIR_SPREAD``), or
     (a quick run, ``stop_when_decided``) ``repeats`` pairs, assuming the answer is decided by
     then (``SD_STOP_ASSUMED``), at least ``repeats`` and at most the budget; the round's parts
@@ -263,7 +267,7 @@ def _prefills(t, d, rates: Rates, batch: int, context: int) -> float:
     return prefill_seconds(t, rates, batch, context) + (0.0 if d is None else prefill_seconds(d, rates, batch, context))
 
 
-def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec.SpecConfig) -> tuple[float, float]:
+def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: speedup.SpecConfig) -> tuple[float, float]:
     """Plain decode and SD of ``cfg.new_tokens`` tokens per sequence: (plain, SD) seconds; ``d``
     None: prompt lookup, whose drafting costs host time only (not counted), or an MTP head, one
     of the target's layers a step (its share of a target step)."""
@@ -280,7 +284,7 @@ def _decodes(t, d, rates: Rates, batch: int, gamma: int, alpha: float, cfg: spec
 
 
 def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
-    """SD of a real pair on one prompt set, as ``spec.run_spec`` runs it: the untimed acceptance
+    """SD of a real pair on one prompt set, as ``speedup.run_spec`` runs it: the untimed acceptance
     pass (SD after each of its first ``max_prompts`` prompts, plain too at temperature 0 for the
     greedy check), then the timed runs (a prefill of the next prompts for each pair), at every
     temperature, over the prompts' mean length in tokens. Acceptance is unknown before the run:
@@ -289,10 +293,10 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     cfg = pair.spec_config(prompt_set)
     modelless = pair.drafter_kind != "model"  # prompt lookup, or an MTP head on the target
-    ids = spec.prompt_ids(cfg, models.resolve(pair.target_arg),
+    ids = speedup.prompt_ids(cfg, models.resolve(pair.target_arg),
                           None if modelless else models.resolve(pair.draft_arg)).ids
     assert ids is not None  # the prompts are a set (spec_config), so random ids are refused
-    t, d, need = spec.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
+    t, d, need = speedup.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
     if t.layers < t.layers_full:
         raise MacMoesdError(f"{pair.target} and its drafter fit only as slices of their layers, which a "
                             "real pair's SD run refuses")

@@ -17,8 +17,10 @@ import mlx.core as mx
 from mac_moesd.errors import BadInput
 from mac_moesd.inputs import models
 from mac_moesd.machine import memory
-from mac_moesd.measure import collectives, sharding, sweep, timing
-from mac_moesd.measure.distributed import shard_built
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.cluster import collectives, sharding
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.cluster.distributed import shard_built
 from mac_moesd.pipeline import estimate as single
 from mac_moesd.pipeline.plans import Plan
 

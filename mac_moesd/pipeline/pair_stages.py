@@ -26,7 +26,9 @@ import numpy as np
 from mac_moesd.analysis import fit
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
-from mac_moesd.measure import routing, routing_control, routing_trace, spec, sweep
+from mac_moesd.measure.experts import routing, routing_control, routing_trace
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.sd import speedup
 from mac_moesd.pipeline import estimate
 from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
@@ -192,14 +194,14 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
         fitted = data.get("fits", {}).get(plan.target)
         if fitted is None:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
-        document = spec.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind), ctx.usable_bytes,
+        document = speedup.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind), ctx.usable_bytes,
                                  fit.sweep_plain_step(as_swept(data, plan), plan.target))
         ctx.store.put("spec", key, document)
-        spec.require_valid(document)
+        speedup.require_valid(document)
 
     label = f"spec {plan.target} on {prompt_set}" + {"prompt-lookup": " by prompt lookup",
                                                       "mtp-head": " by an MTP head"}.get(kind, "")
-    return Stage(label, work, done=lambda data: spec.stored_and_valid(data, key),
+    return Stage(label, work, done=lambda data: speedup.stored_and_valid(data, key),
                  estimate=lambda sizing: {**estimate.pair_spec_stage(plan, prompt_set, sizing), "stage": label},
                  models=(plan.target_arg,) + ((plan.draft_arg,) if kind == "model" else ()))
 

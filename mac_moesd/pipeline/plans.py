@@ -10,7 +10,9 @@ from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models, pairs, zoo
 from mac_moesd.inputs.prompts import load_prompts
-from mac_moesd.measure import roofline, spec, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.peaks import roofline
+from mac_moesd.measure.sd import speedup
 from mac_moesd.results.keys import DRAFTER_KINDS, PAIR_MODES, drafter_kind
 from mac_moesd.units import human_bytes
 
@@ -125,11 +127,11 @@ class PairPlan:
     def drafter_kind(self) -> str:
         return drafter_kind(self.draft)
 
-    def spec_config(self, prompt_set: str) -> spec.SpecConfig:
+    def spec_config(self, prompt_set: str) -> speedup.SpecConfig:
         """The SD stage of this drafter on one prompt set: with its own drafts at the pair's
         temperatures, or an MTP head's with ``alpha`` imposed (``keys.PAIR_MODES``)."""
         base, mode = self.base, PAIR_MODES.get(self.drafter_kind, "real")
-        return spec.SpecConfig(target=self.target_arg, draft=self.draft_arg, batches=base.spec_batches,
+        return speedup.SpecConfig(target=self.target_arg, draft=self.draft_arg, batches=base.spec_batches,
                                gammas=base.spec_gammas, mode=mode, context=base.context,
                                new_tokens=base.spec_tokens, repeats=base.spec_repeats, budget_s=base.spec_budget_s,
                                prompts=prompt_set, alphas=(self.alpha,),
@@ -191,14 +193,14 @@ def fits_in_memory(plan: Plan, usable_bytes: int) -> Callable[[str, str], str | 
     depth, fit the SD stage's peak (``memory.spec_estimate``) in ``usable_bytes``, else why not."""
     def check(target: str, draft: str) -> str | None:
         try:
-            cfg = spec.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
+            cfg = speedup.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
                                   gammas=plan.spec_gammas, mode="real", context=plan.context,
                                   new_tokens=plan.spec_tokens, repeats=plan.spec_repeats)
             built_target = models.build(models.resolve(target))
             built_draft = models.build(models.resolve(draft))
         except (MacMoesdError, OSError, ValueError) as err:
             return f"cannot be opened: {err}"
-        need = spec.estimate(cfg, built_target, built_draft)["peak_bytes"]
+        need = speedup.estimate(cfg, built_target, built_draft)["peak_bytes"]
         if need > usable_bytes:
             return (f"needs about {human_bytes(need)} for SD at full depth; "
                     f"{human_bytes(usable_bytes)} is usable here")

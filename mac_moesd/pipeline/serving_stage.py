@@ -19,7 +19,7 @@ import httpx
 from mac_moesd.analysis import serving_prediction as prediction
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
-from mac_moesd.measure import sd_counters, server_process, serving
+from mac_moesd.measure.server import sd_counters, server_process, serving
 from mac_moesd.results import ResultsStore, keys, load_results
 
 __all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "progress_steps", "run_serving", "validate"]

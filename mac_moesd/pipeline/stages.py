@@ -13,7 +13,10 @@ from __future__ import annotations
 from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine import memory
-from mac_moesd.measure import roofline, routing, spec, sweep
+from mac_moesd.measure.experts import routing
+from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.peaks import roofline
+from mac_moesd.measure.sd import speedup
 from mac_moesd.pipeline import estimate
 from mac_moesd.pipeline.plans import Plan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
@@ -87,17 +90,17 @@ def _spec(plan: Plan) -> Stage:
         data = ctx.store.data
         if target not in data.get("fits", {}):
             raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
-        cfg = spec.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
+        cfg = speedup.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(theory.DEFAULT_ALPHA,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
                               stop_when_decided=plan.spec_stop_when_decided)
-        document = spec.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
+        document = speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
                                  fit.sweep_plain_step(data, target))
         ctx.store.put("spec", key, document)
-        spec.require_valid(document)
+        speedup.require_valid(document)
 
-    return Stage(f"spec {target}", work, done=lambda data: spec.stored_and_valid(data, key),
+    return Stage(f"spec {target}", work, done=lambda data: speedup.stored_and_valid(data, key),
                  estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, draft))
 
 

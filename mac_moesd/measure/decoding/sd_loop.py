@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mac_moesd.measure import timing
-from mac_moesd.measure.prompt_lookup import LookupRule, PromptLookup
-from mac_moesd.measure.rollback import Rollback
-from mac_moesd.measure.sampling import random_ids, rejection_sample
-from mac_moesd.measure.rolled_cache import RolledBackCache
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.decoding.prompt_lookup import LookupRule, PromptLookup
+from mac_moesd.measure.caches.rollback import Rollback
+from mac_moesd.measure.decoding.sampling import random_ids, rejection_sample
+from mac_moesd.measure.caches.rolled_cache import RolledBackCache
 
 __all__ = ["Decoded", "Decoder", "accept", "advance", "common_prompt"]
 

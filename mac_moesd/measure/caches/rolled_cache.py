@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mac_moesd.errors import MacMoesdError
-from mac_moesd.measure import cache_copy
+from mac_moesd.measure.caches import cache_copy
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 
 __all__ = ["PREFILL_CHUNK", "RolledBackCache", "batch_caches"]

@@ -23,8 +23,8 @@ import numpy as np
 
 from mac_moesd.analysis import acceptance
 from mac_moesd.results import schema
-from mac_moesd.measure.prompt_lookup import LookupRule
-from mac_moesd.measure.spec_loop import Decoder, RuleProbs
+from mac_moesd.measure.decoding.prompt_lookup import LookupRule
+from mac_moesd.measure.decoding.sd_loop import Decoder, RuleProbs
 
 __all__ = ["NEAR_TIE", "greedy_check", "logit_margin", "measure_acceptance"]
 

@@ -3,10 +3,10 @@
 - batch 1, ``real``: mlx-lm's own ``speculative_generate_step`` against its ``generate_step``,
   where mlx-lm rolls both models' caches back correctly (every layer a plain KV cache, or a
   sliding window the decode never fills); else the suite's loop, labelled so.
-- any batch: the suite's loop (``spec_loop``), modes ``real``, ``self-draft`` and
+- any batch: the suite's loop (``sd_loop``), modes ``real``, ``self-draft`` and
   ``emulated-acceptance``, with a rollback correct for every cache kind (``rollback``).
 
-Every configuration is audited once, untimed (``spec_audit``): the caches a decode leaves must
+Every configuration is audited once, untimed (``audit``): the caches a decode leaves must
 equal plain decoding's of the same tokens, and at temperature 0 the SD output must equal plain
 greedy output but for float near-ties. A configuration that fails either is marked invalid.
 
@@ -49,15 +49,15 @@ from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.inputs import zoo
 from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
-from mac_moesd.measure import timing
-from mac_moesd.measure.acceptance_run import greedy_check, logit_margin, measure_acceptance
-from mac_moesd.measure.mtp_head import MTPHead
-from mac_moesd.measure.prompt_lookup import LookupRule
-from mac_moesd.measure.round_parts import RoundParts, lookup_prediction, round_prediction
-from mac_moesd.measure.spec_audit import audit_configuration
-from mac_moesd.measure.spec_loop import Decoded, Decoder, common_prompt, within
-from mac_moesd.measure.rolled_cache import PREFILL_CHUNK
-from mac_moesd.measure import rollback as rollbacks
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.decoding.acceptance_run import greedy_check, logit_margin, measure_acceptance
+from mac_moesd.measure.decoding.mtp_head import MTPHead
+from mac_moesd.measure.decoding.prompt_lookup import LookupRule
+from mac_moesd.measure.sd.round_parts import RoundParts, lookup_prediction, round_prediction
+from mac_moesd.measure.sd.audit import audit_configuration
+from mac_moesd.measure.decoding.sd_loop import Decoded, Decoder, common_prompt, within
+from mac_moesd.measure.caches.rolled_cache import PREFILL_CHUNK
+from mac_moesd.measure.caches import rollback as rollbacks
 
 if TYPE_CHECKING:
     from mac_moesd.inputs.models import ModelSource

@@ -30,8 +30,8 @@ from mac_moesd.units import human_bytes
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import keys, schema
-from mac_moesd.measure import routing_trace
-from mac_moesd.measure.gather import check_sortable, sorted_switch_call
+from mac_moesd.measure.experts import routing_trace
+from mac_moesd.measure.experts.gather import check_sortable, sorted_switch_call
 
 __all__ = ["SwitchControl", "analyse_windows", "capture_routing", "controlled_switches", "count_windows",
            "reanalyse", "routing_document"]

@@ -27,9 +27,9 @@ import mlx.nn as nn
 import numpy as np
 
 from mac_moesd.errors import BadInput
-from mac_moesd.measure import routing
-from mac_moesd.measure.gather import GATHERS
-from mac_moesd.measure.routing_trace import Trace, load_trace
+from mac_moesd.measure.experts import routing
+from mac_moesd.measure.experts.gather import GATHERS
+from mac_moesd.measure.experts.routing_trace import Trace, load_trace
 
 __all__ = ["RoutingMode", "SweepRouting", "correlated_indices", "parse_routing", "spans_per_sequence",
            "trace_capacity", "trace_window", "uniform_indices"]

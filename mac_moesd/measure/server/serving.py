@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from mac_moesd.measure import sd_counters
+from mac_moesd.measure.server import sd_counters
 
 __all__ = ["LegConfig", "RequestRecord", "leg_document", "overlap", "run_leg", "unique_prompt"]
 

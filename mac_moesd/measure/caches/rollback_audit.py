@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mac_moesd.measure.rolled_cache import PREFILL_CHUNK, RolledBackCache
+from mac_moesd.measure.caches.rolled_cache import PREFILL_CHUNK, RolledBackCache
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
 
 __all__ = ["TOLERANCE", "audit_caches", "compare_caches"]

@@ -32,10 +32,11 @@ import numpy as np
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
 from mac_moesd.machine import hardware, memory, metadata
-from mac_moesd.measure import collectives, sharding, timing
-from mac_moesd.measure.sweep import SweepConfig, entry_key, run_sweep
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.cluster import collectives, sharding
+from mac_moesd.measure.forward.sweep import SweepConfig, entry_key, run_sweep
 from mac_moesd.progress import Progress
-from mac_moesd.measure.watchdog import Watchdog
+from mac_moesd.measure.clock.watchdog import Watchdog
 from mac_moesd.results import ResultsStore, point_key
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "join", "launched_backend", "run_cluster_sweep"]

@@ -17,7 +17,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mac_moesd.measure import kernels, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.peaks import kernels
 from mac_moesd.errors import MacMoesdError
 
 __all__ = ["CHECKS", "Outcome", "SelftestFailed", "Skipped", "run"]
@@ -104,7 +105,7 @@ def check_launch_scaling(k: kernels.Kernels | None = None, launch: Callable[[int
 def check_memory_guard() -> str:
     """The sweep's memory guard on tiny-moe: a tiny budget refuses or slices, a generous one
     measures full depth."""
-    from mac_moesd.measure import sweep
+    from mac_moesd.measure.forward import sweep
 
     cfg = sweep.SweepConfig(model="tiny-moe", batches=(1,), tokens=(1,), context=32)
     source = sweep.validate(cfg)

@@ -39,7 +39,7 @@ import mlx.nn as nn
 from mac_moesd import mlxlm_compat
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
-from mac_moesd.measure import recurrent_states
+from mac_moesd.measure.caches import recurrent_states
 
 __all__ = ["APPLIED", "STRATEGIES", "Rollback", "mlx_lm_can_roll_back"]
 

@@ -21,8 +21,8 @@ from typing import Callable
 import mlx.core as mx
 
 from mac_moesd.inputs.cache_kinds import cache_kinds, leaf_kind, leaves
-from mac_moesd.measure.rollback import APPLIED
-from mac_moesd.measure.rollback_audit import audit_caches
+from mac_moesd.measure.caches.rollback import APPLIED
+from mac_moesd.measure.caches.rollback_audit import audit_caches
 from mac_moesd.results import schema
 
 __all__ = ["audit_configuration"]

@@ -42,11 +42,12 @@ import mlx.core as mx
 
 from mac_moesd.analysis import theory
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
-from mac_moesd.measure import recurrent_states, timing
-from mac_moesd.measure.rolled_cache import RolledBackCache
-from mac_moesd.measure.rollback import Rollback
-from mac_moesd.measure.bookkeeping import bookkeeping_point, mlx_lm_bookkeeping
-from mac_moesd.measure.sweep import forward_point, pipelined_point, reject_point
+from mac_moesd.measure.caches import recurrent_states
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.caches.rolled_cache import RolledBackCache
+from mac_moesd.measure.caches.rollback import Rollback
+from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point, mlx_lm_bookkeeping
+from mac_moesd.measure.forward.sweep import forward_point, pipelined_point, reject_point
 
 __all__ = ["RoundParts", "VERIFY_AT", "lookup_prediction", "round_prediction"]
 
@@ -62,7 +63,7 @@ class RoundParts:
     vocab: int
     with_reject: bool
     rollback: str = "auto"  # rollback.STRATEGIES
-    mode: str = "real"  # the loop's acceptance (spec_loop.accept)
+    mode: str = "real"  # the loop's acceptance (sd_loop.accept)
     mlx_lm: bool = False  # batch 1 under mlx-lm's own speculative decoding
     samples: dict[str, list[float]] = field(default_factory=dict)
     _verify_keeps_states: bool | None = field(default=None, init=False, repr=False)  # decided at the first sample

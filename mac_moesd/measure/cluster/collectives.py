@@ -19,7 +19,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from mac_moesd.measure import timing
+from mac_moesd.measure.clock import timing
 
 __all__ = ["OPS", "combine", "op_point", "summarise_trace", "traced"]
 

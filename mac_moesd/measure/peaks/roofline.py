@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from mac_moesd.machine import hardware, memory
-from mac_moesd.measure import kernels, timing
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.peaks import kernels
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput
 from mac_moesd.results import schema

@@ -4,7 +4,7 @@ A round of speculative decoding is its forwards (drafts, verify), rejection samp
 loop runs it, the rollback, and the loop's own work: the target's token at every position from
 the verify's logits, the round's one synchronisation, the acceptance decision and the next
 pending and emitted tokens. That last part is timed here on stand-in arrays of a round's shapes,
-through the functions the suite's loop calls (``spec_loop.accept``, ``advance``), beside each SD
+through the functions the suite's loop calls (``sd_loop.accept``, ``advance``), beside each SD
 pair (``round_parts``) and at every batch of a sweep with a drafter (``sweep.measure_reject``), so
 that the fit prices it as a term of its own (``analysis.bookkeeping``). mlx-lm's batch-1
 ``speculative_generate_step`` is a closed generator whose round cannot be run empty: a replica of
@@ -18,8 +18,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mac_moesd.measure import timing
-from mac_moesd.measure.spec_loop import accept, advance
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.decoding.sd_loop import accept, advance
 
 __all__ = ["bookkeeping_point", "mlx_lm_bookkeeping"]
 

@@ -32,15 +32,17 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.inputs import models, zoo
 from mac_moesd.inputs.cache_kinds import leaf_kind, leaves
-from mac_moesd.measure import cache_copy, routing, timing
-from mac_moesd.measure.rolled_cache import PREFILL_CHUNK, RolledBackCache, batch_caches
-from mac_moesd.measure.routing_control import SweepRouting, check_against_model, parse_routing
+from mac_moesd.measure.caches import cache_copy
+from mac_moesd.measure.clock import timing
+from mac_moesd.measure.experts import routing
+from mac_moesd.measure.caches.rolled_cache import PREFILL_CHUNK, RolledBackCache, batch_caches
+from mac_moesd.measure.experts.routing_control import SweepRouting, check_against_model, parse_routing
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.progress import Progress
 from mac_moesd.results import ResultsStore, keys, parse_point_key, point_key, schema
-from mac_moesd.measure.sampling import random_ids, rejection_sample
-from mac_moesd.measure.bookkeeping import bookkeeping_point
-from mac_moesd.measure.spec_loop import sample
+from mac_moesd.measure.decoding.sampling import random_ids, rejection_sample
+from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point
+from mac_moesd.measure.decoding.sd_loop import sample
 
 __all__ = ["SweepConfig", "plan_layers", "run_sweep"]
 

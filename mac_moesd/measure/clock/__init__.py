@@ -1,0 +1,1 @@
+"""Timers, their statistics, and the watchdog that stops a hung measurement."""

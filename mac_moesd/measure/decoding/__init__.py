@@ -1,0 +1,1 @@
+"""The suite's SD decode loop and its drafters: sampling, acceptance, prompt lookup, MTP heads, bookkeeping."""

@@ -1,0 +1,1 @@
+"""Forward passes of MoE and dense models timed across batch sizes and token counts."""

@@ -1,0 +1,1 @@
+"""Speculative decoding measured against plain decode, its round's parts, and its audit."""

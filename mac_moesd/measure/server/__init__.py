@@ -1,0 +1,1 @@
+"""A local OpenAI-compatible server started, driven by many agents, and its SD counters read."""
