@@ -48,7 +48,7 @@ def main():
     ours, bare = [], []
     for _ in range(args.rounds):  # alternate, so drift hits both alike
         bare.append(bare_loop(built.model, cache, inputs, args.repeats))
-        ours.append(timing.measure({"p": point}, budget, random.Random(0))["p"].median_s)
+        ours.append(timing.measure({"p": point}, budget, random.Random(0))["p"]["median_s"])
     ratio = statistics.median(ours) / statistics.median(bare)
     print(f"model {args.model}, context {args.context}, {args.rounds} rounds x {args.repeats} calls")
     print(f"bare mx.eval loop median: {statistics.median(bare) * 1e3:.3f} ms")

@@ -145,7 +145,7 @@ def main() -> int:
     data["draft"] = {sweep.entry_key(draft, args.context): entry(
         draft, args.context, kind("draft", "sync"), kind("draft", "pipe"), {}, role="draft")}
     data["reject"] = {f"V{vocab}|gamma{REJECT_GAMMA}": {"vocab": vocab, "gamma": REJECT_GAMMA, "points": {
-        point_key(b, REJECT_GAMMA + 1): m[("reject", b)].to_dict() for b in BATCHES}}}
+        point_key(b, REJECT_GAMMA + 1): m[("reject", b)] for b in BATCHES}}}
     (out / "results.json").write_text(json.dumps(data))
     result = fit.fit(fit.inputs_from_results(data))
     model = result.model()
@@ -153,18 +153,18 @@ def main() -> int:
     print(f"{args.model} with {args.draft}, context {args.context}, {args.rounds} rounds: fit chose "
           f"`{result.chosen}`, held-out MAPE {result.heldout_mape:.1%}; k_kv {result.k_kv * 1e6:.2f} us per "
           f"cached token, k_seq {result.best.k_seq * 1e3:.3f} ms per sequence; pipelining hides "
-          f"{result.pipelining.target_s * 1e3:.2f} ms per target forward, {result.pipelining.draft_s * 1e3:.2f} ms "
+          f"{result.pipelining['target_s'] * 1e3:.2f} ms per target forward, {result.pipelining['draft_s'] * 1e3:.2f} ms "
           "per draft step")
     print(f"{'B':>3} {'gamma':>5} {'alpha':>5} {'measured':>8} {'predicted':>9} {'error':>7}  "
           f"{'plain ms meas/pred':>19}  {'round ms meas/pred':>19}")
     errors = []
     for b in SD_BATCHES:
-        plain_s = m[("plain", b)].median_s / args.tokens
+        plain_s = m[("plain", b)]["median_s"] / args.tokens
         for g in GAMMAS:
             run = decoded[(b, g)]
             alpha = acceptance.summarise_rounds(run.per_round, g)["alpha"]
-            round_s = m[("sd", b, g)].median_s / (len(run.per_round) / b)
-            measured = (run.tokens / m[("sd", b, g)].median_s) / (b * args.tokens / m[("plain", b)].median_s)
+            round_s = m[("sd", b, g)]["median_s"] / (len(run.per_round) / b)
+            measured = (run.tokens / m[("sd", b, g)]["median_s"]) / (b * args.tokens / m[("plain", b)]["median_s"])
             predicted = float(model.speedup(b, g, alpha, context))
             plain_p, verify_p, draft_p, reject_p = (float(x) for x in model.step_times(b, g, context))
             round_p = g * draft_p + verify_p + reject_p

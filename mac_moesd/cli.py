@@ -250,7 +250,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
     at temperature 0 its output greedy's but for float near-ties. Exits 1 when one fails (the
     results are written, marked invalid).
     """
-    from mac_moesd.measure.decoding.prompt_lookup import LookupRule
+    from mac_moesd.measure.decoding.prompt_lookup import lookup_rule
     from mac_moesd.results.keys import PROMPT_LOOKUP
     from mac_moesd.measure.sd.speedup import SpecConfig
     from mac_moesd.pipeline import commands
@@ -264,7 +264,7 @@ def spec_command(target, draft, batches, gammas, alphas, mode, lookup_max_ngram,
                      mode=mode, context=context, new_tokens=new_tokens, repeats=repeats,
                      precision=precision, budget_s=budget_s, prompts=prompts, temperatures=temperatures,
                      max_prompts=max_prompts, rollback=rollback,
-                     lookup=LookupRule(lookup_max_ngram, lookup_min_ngram))
+                     lookup=lookup_rule(lookup_max_ngram, lookup_min_ngram))
     document = commands.run_spec(cfg, memory_limit_gib, out, warn)
     emit(document, as_json, render_spec)
     if document.get("valid") is False:

@@ -39,9 +39,9 @@ def cluster_results() -> dict:
 def test_comm_term_recovers_latency_and_bandwidth():
     term = cluster.comm_term(cluster_results(), "tiny-moe")
     (kind,) = term.kinds
-    assert (kind.op, kind.count, kind.bytes_per_token) == ("all_sum", LAYERS, HIDDEN * 4)
-    assert kind.latency_s == pytest.approx(LATENCY, rel=1e-6)
-    assert kind.bandwidth_bytes_s == pytest.approx(BANDWIDTH, rel=1e-6)
+    assert (kind["op"], kind["count"], kind["bytes_per_token"]) == ("all_sum", LAYERS, HIDDEN * 4)
+    assert kind["latency_s"] == pytest.approx(LATENCY, rel=1e-6)
+    assert kind["bandwidth_bytes_s"] == pytest.approx(BANDWIDTH, rel=1e-6)
     n = np.array([1, 5, 40])
     assert term.time(n) == pytest.approx(LAYERS * (LATENCY + n * HIDDEN * 4 / BANDWIDTH))
     assert cluster.CommTerm.from_dict(json.loads(json.dumps(term.to_dict()))) == term
@@ -153,7 +153,8 @@ def test_cluster_rows_worked_by_hand():
     # One all-sum per layer over 4 layers, 2048 B per token, 50 us latency, 1 ns per byte:
     # C(n) = 4*(50e-6 + 1e-9*2048*n): C(1) = 2.08192e-4, C(4) = 2.32768e-4, C(5) = 2.4096e-4,
     # C(20) = 3.6384e-4 s. T_T(n) = 1 ms + 0.1 ms per token: T(1) 1.1, T(4) 1.4, T(5) 1.5, T(20) 3.0 ms.
-    comm = cluster.CommTerm((cluster.CommKind("all_sum", 4, 2048.0, 50e-6, 1e-9, 3),))
+    comm = cluster.CommTerm(({"op": "all_sum", "count": 4, "bytes_per_token": 2048.0, "latency_s": 50e-6,
+                                      "seconds_per_byte": 1e-9, "points": 3},))
     calls = []
 
     def speedup(b, g, alpha, with_comm):

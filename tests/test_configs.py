@@ -34,7 +34,7 @@ def test_a_layer_pattern_gives_the_layer_count(config_dir):
     config = {k: v for k, v in zoo.by_name("tiny-mamba-moe").config.items() if k != "num_hidden_layers"}
     source = models.resolve(str(config_dir(config)))
     assert source.config["num_hidden_layers"] == len(config["hybrid_override_pattern"]) == 8
-    kinds = models.build(source).footprint.layer_kinds
+    kinds = models.build(source).footprint["layer_kinds"]
     assert kinds == {"attention": 1, "sliding": 0, "linear": 3, "per_position": 3, "moe": 3, "mlp": 1}
 
 

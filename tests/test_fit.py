@@ -480,25 +480,25 @@ def test_a_hybrid_target_or_drafter_is_fitted_to_re_forward_its_rollback():
 
 
 def test_the_loops_bookkeeping_term_recovers_a_line_and_is_priced_in_every_round():
-    from mac_moesd.analysis.bookkeeping import Bookkeeping
+    from mac_moesd.analysis import bookkeeping
 
     # Empty rounds of 0.2 ms + 0.05 ms per sequence, timed at B = 1, 2, 4, 8 (no noise).
-    term = Bookkeeping.fit([(b, 0.2e-3 + 0.05e-3 * b) for b in (1, 2, 4, 8)])
-    assert term.a_s == pytest.approx(0.2e-3, rel=1e-6) and term.b_s == pytest.approx(0.05e-3, rel=1e-6)
-    assert term.points == 4 and term.mape == pytest.approx(0.0, abs=1e-9)
+    term = bookkeeping.fit([(b, 0.2e-3 + 0.05e-3 * b) for b in (1, 2, 4, 8)])
+    assert term["a_s"] == pytest.approx(0.2e-3, rel=1e-6) and term["b_s"] == pytest.approx(0.05e-3, rel=1e-6)
+    assert term["points"] == 4 and term["mape"] == pytest.approx(0.0, abs=1e-9)
     # Neither part goes below zero: a time that falls with B is a flat line, not a negative slope.
     # Relative residuals: a = sum(1/s) / sum(1/s^2) = (1/0.3 + 1/0.2) / (1/0.09 + 1/0.04) ms.
-    falling = Bookkeeping.fit([(1, 0.3e-3), (2, 0.2e-3)])
-    assert falling.b_s == pytest.approx(0.0, abs=1e-12)
-    assert falling.a_s == pytest.approx((1 / 0.3 + 1 / 0.2) / (1 / 0.09 + 1 / 0.04) * 1e-3)
-    assert Bookkeeping.fit([]) == Bookkeeping()
+    falling = bookkeeping.fit([(1, 0.3e-3), (2, 0.2e-3)])
+    assert falling["b_s"] == pytest.approx(0.0, abs=1e-12)
+    assert falling["a_s"] == pytest.approx((1 / 0.3 + 1 / 0.2) / (1 / 0.09 + 1 / 0.04) * 1e-3)
+    assert bookkeeping.fit([]) == bookkeeping.not_timed()
     # test_verdict's hand-worked round (hand_fit_doc: T_T(n) = 0.95 + 0.05 n ms, T_D = 0.1 ms):
     # B = 1, gamma 2, alpha 0.5 at context 0 costs 2 x 0.1 + 1.1 = 1.3 ms and gives 1.75 tokens
     # for 1.0 ms a token plain: S = 1.75/1.3. With 0.25 ms of bookkeeping a round: 1.75/1.55.
     doc = hand_fit_doc()
     plain = fit.FittedModel.from_document(doc)
     assert float(plain.speedup(1, 2, 0.5, 0)) == pytest.approx(1.75 / 1.3)
-    doc["bookkeeping"] = Bookkeeping(0.2e-3, 0.05e-3, 4, 0.0).to_dict()
+    doc["bookkeeping"] = {"a_s": 0.2e-3, "b_s": 0.05e-3, "points": 4, "mape": 0.0}
     booked = fit.FittedModel.from_document(doc)
     assert float(booked.speedup(1, 2, 0.5, 0)) == pytest.approx(1.75 / 1.55)
     from mac_moesd.analysis import verdict

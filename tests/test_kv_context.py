@@ -76,7 +76,7 @@ def test_at_one_context_the_kv_term_carries_every_cost_per_sequence_and_the_fit_
 def test_the_one_row_forward_is_carried_by_the_kv_term_alone():
     result = fit.fit(fit.inputs_from_results(with_costs_per_sequence(synthetic_results(noise=0.005))))
     model = result.model()
-    timed = model.one_row.sync_s
+    timed = model.one_row["sync_s"]
     assert float(model.target(1, 1, 3 * L)) == pytest.approx(timed + 2 * L * result.k_kv)
 
 

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from mac_moesd.analysis import fit
-from mac_moesd.analysis.one_row import OneRow
+from mac_moesd.analysis import fit, one_row, pipelining
 from mac_moesd.reporting import formatting
 from test_fit import L, hand_fit_doc, synthetic_results
 from test_pipelining import with_pipelined
@@ -104,13 +103,14 @@ def test_the_timed_one_row_forward_worked_by_hand():
     assert float(m.speedup(1, 4, 0.8, 64, self_draft=True)) == pytest.approx(0.527133, abs=1e-6)
 
 
-def test_one_row_round_trip_and_absence():
-    row = OneRow.from_points(64, [(1, 1, 0.01), (2, 1, 0.02)], [(1, 1, 0.009)])
-    assert row == OneRow(64, 0.01, 0.009) and OneRow.from_dict(row.to_dict()) == row
-    assert OneRow.from_points(64, [(2, 1, 0.02)], []) is None  # a grid without (1, 1)
+def test_one_row_from_points_and_absence():
+    row = one_row.from_points(64, [(1, 1, 0.01), (2, 1, 0.02)], [(1, 1, 0.009)])
+    assert row == {"context": 64, "sync_s": 0.01, "pipelined_s": 0.009}
+    assert one_row.seconds(row, True) == 0.009 and one_row.seconds(row, False) == 0.01
+    assert one_row.from_points(64, [(2, 1, 0.02)], []) is None  # a grid without (1, 1)
     # Without a pipelined timing of it, the synchronous one less what pipelining hides elsewhere.
-    assert OneRow.from_points(64, [(1, 1, 0.01)], []).seconds(True, hidden=0.002) == pytest.approx(0.008)
-    assert OneRow.from_dict(None) is None
+    alone = one_row.from_points(64, [(1, 1, 0.01)], [])
+    assert alone is not None and one_row.seconds(alone, True, hidden=0.002) == pytest.approx(0.008)
 
 
 def test_without_pipelined_timings_the_synchronous_one_row_forward_stands():
@@ -120,7 +120,7 @@ def test_without_pipelined_timings_the_synchronous_one_row_forward_stands():
     result = fit.fit(fit.inputs_from_results(data))
     sync = {(b, t): s for b, t, s in result.inputs.target}[(1, 1)]
     m = result.model()
-    assert m.one_row.pipelined_s is None and not result.pipelining.measured
+    assert m.one_row["pipelined_s"] is None and not pipelining.measured(result.pipelining)
     assert float(m.target(1, 1, L, pipelined=True)) == pytest.approx(sync, rel=1e-12)
     assert float(m.step_times(1, 3, L)[0]) == pytest.approx(sync, rel=1e-12)
 
@@ -128,8 +128,9 @@ def test_without_pipelined_timings_the_synchronous_one_row_forward_stands():
 def test_the_pipelined_check_is_the_curves_own_not_the_timed_one_row(monkeypatch):
     # Whatever the timed one-row forward says, the check of the pipelined curve against the
     # pipelined points does not change: it is the fitted curve's own error.
-    before = fit.fit(fit.inputs_from_results(results())).pipelining.target_mape
-    monkeypatch.setattr(OneRow, "from_points", classmethod(lambda cls, *args: cls(L, 1.0, 1.0)))
+    before = fit.fit(fit.inputs_from_results(results())).pipelining["target_mape"]
+    wild = {"context": L, "sync_s": 1.0, "pipelined_s": 1.0}
+    monkeypatch.setattr(one_row, "from_points", lambda *args: wild)
     result = fit.fit(fit.inputs_from_results(results()))
-    assert result.model().one_row == OneRow(L, 1.0, 1.0)  # the predictions do take it
-    assert result.pipelining.target_mape == before
+    assert result.model().one_row == wild  # the predictions do take it
+    assert result.pipelining["target_mape"] == before

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from mac_moesd.analysis import acceptance
-from mac_moesd.measure.decoding.prompt_lookup import LookupRule, PromptLookup, propose
+from mac_moesd.measure.decoding.prompt_lookup import PromptLookup, lookup_rule, propose
 from mac_moesd.measure.sd.round_parts import RoundParts, lookup_prediction
 
 
-def proposal(tokens, gamma=3, rule=LookupRule()):
+def proposal(tokens, gamma=3, rule=lookup_rule()):
     return propose(np.array(tokens), gamma, rule).tolist()
 
 
@@ -26,7 +26,7 @@ def test_falls_back_from_a_3gram_to_a_1gram():
     # (3, 4, 2) and (4, 2) never occurred before; 2 did, at index 1, followed by 3, 4, 2
     assert proposal([1, 2, 3, 4, 2]) == [3, 4, 2]
     # min_ngram 2: the 1-gram is not tried, so nothing is proposed
-    assert proposal([1, 2, 3, 4, 2], rule=LookupRule(3, 2)) == []
+    assert proposal([1, 2, 3, 4, 2], rule=lookup_rule(3, 2)) == []
 
 
 def test_the_most_recent_occurrence_and_only_one_followed_by_a_token():
@@ -48,7 +48,7 @@ def test_each_sequence_searches_its_own_context_as_it_grows():
 
 def test_bad_ngram_lengths_are_refused():
     with pytest.raises(ValueError, match="--lookup-min-ngram"):
-        LookupRule(2, 3)
+        lookup_rule(2, 3)
 
 
 def test_acceptance_by_position_counts_only_the_rounds_that_offered_it():
@@ -95,7 +95,7 @@ def prompt_ids(tiny_pair):
 def test_prompt_lookup_at_temperature_0_emits_plain_greedy_decoding(target, prompt_ids, batch):
     from mac_moesd.measure.decoding.sd_loop import Decoder, common_prompt
 
-    decoder = Decoder(target, None, common_prompt(prompt_ids[:batch]), lookup=LookupRule())
+    decoder = Decoder(target, None, common_prompt(prompt_ids[:batch]), lookup=lookup_rule())
     out = decoder.speculative(40, 4, "real")
     # Every row emits the batch's shared prefix and is credited that: 40 tokens or a round more.
     emitted = out.outputs.shape[1]

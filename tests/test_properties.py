@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mac_moesd.analysis import acceptance, cluster, expert_reads, fit, pipelining, theory
+from mac_moesd.analysis import acceptance, bookkeeping, cluster, expert_reads, fit, pipelining, theory
 from test_fit import hand_fit_doc
 
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None)
@@ -117,7 +117,8 @@ def test_pipelining_hides_at_most_half_a_forward_and_a_draft_step_at_most_that(s
 @given(n1=st.integers(1, 4096), n2=st.integers(1, 4096), latency=st.floats(0.0, 1e-3),
        per_byte=st.floats(1e-12, 1e-8), count=st.integers(1, 64))
 def test_communication_per_token_falls_with_tokens_per_forward(n1, n2, latency, per_byte, count):
-    comm = cluster.CommTerm((cluster.CommKind("all_sum", count, 2048.0, latency, per_byte, 3),))
+    comm = cluster.CommTerm(({"op": "all_sum", "count": count, "bytes_per_token": 2048.0, "latency_s": latency,
+                                      "seconds_per_byte": per_byte, "points": 3},))
     lo, hi = sorted((n1, n2))
     c_lo, c_hi = comm.time([lo, hi])
     assert c_lo <= c_hi * (1 + REL)  # more tokens, more bytes
@@ -141,7 +142,7 @@ def test_predicted_speedup_rises_with_alpha_and_spans_gamma_plus_1(a1, a2, gamma
     s0, s1 = (float(model.speedup(batch, gamma, a, context, catch_up=False)) for a in (0.0, 1.0))
     assert s1 / s0 == pytest.approx(gamma + 1)
     plain, verify, draft, reject = (float(x) for x in model.step_times(batch, gamma, context))
-    fixed = reject + float(model.bookkeeping.time(batch))
+    fixed = reject + float(bookkeeping.seconds(model.bookkeeping, batch))
     looped = float(model.speedup(batch, gamma, 1.0, context, catch_up=True))
     assert looped / s0 == pytest.approx((gamma + 1) * (gamma * draft + verify + fixed)
                                         / ((gamma + 1) * draft + verify + fixed))

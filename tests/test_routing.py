@@ -31,26 +31,30 @@ def test_capture_leaves_logits_bit_identical(entry):
     with routing.capture_routing(built.model) as sinks:
         captured = built.model(tokens)
     assert mx.array_equal(plain, captured).item()
-    assert len(sinks) == built.footprint.moe_layers
+    assert len(sinks) == built.footprint["moe_layers"]
     for sink in sinks:
         (indices,) = sink
-        assert indices.size == 2 * 6 * built.footprint.top_k
+        assert indices.size == 2 * 6 * built.footprint["top_k"]
     assert type(routing.switch_modules(built.model)[0]).__name__.startswith("Switch")
+
+
+def window(batch: int, tokens: int, unique: float, spread: float, windows: int) -> dict:
+    return {"batch": batch, "tokens": tokens, "measured_unique": unique, "std_unique": spread, "windows": windows}
 
 
 def test_count_windows_by_hand():
     # one layer, two sequences of four tokens, top-1
     idx = np.array([[[[0], [0], [1], [2]], [[3], [3], [3], [4]]]])
-    assert routing.count_windows(idx, 1, 2).measured_unique == pytest.approx((1 + 2 + 1 + 2) / 4)
-    assert routing.count_windows(idx, 2, 1).measured_unique == pytest.approx((2 + 2 + 2 + 2) / 4)
-    assert routing.count_windows(idx, 2, 4).measured_unique == 5
+    assert routing.count_windows(idx, 1, 2)["measured_unique"] == pytest.approx((1 + 2 + 1 + 2) / 4)
+    assert routing.count_windows(idx, 2, 1)["measured_unique"] == pytest.approx((2 + 2 + 2 + 2) / 4)
+    assert routing.count_windows(idx, 2, 4)["measured_unique"] == 5
     with pytest.raises(BadInput):
         routing.count_windows(idx, 3, 1)
 
 
 def test_fit_recovers_a_known_correlation():
     E, K, c = 64, 4, 0.6
-    windows = [routing.Window(1, t, float(theory.correlated_activated_experts(t, E, K, c)), 0.0, 1)
+    windows = [window(1, t, float(theory.correlated_activated_experts(t, E, K, c)), 0.0, 1)
                for t in (1, 2, 4, 8, 16)]
     assert routing.analyse_windows(windows, E, K, 0.95)["correlation"] == pytest.approx(c, abs=1e-4)
 
@@ -58,7 +62,7 @@ def test_fit_recovers_a_known_correlation():
 def test_fit_on_cohere_window_gives_the_anchored_c():
     # Cohere: 128 experts top-8, 20.36 unique in a 4-token window (29.1 uniform). The anchored
     # form gives c ~ 0.56; the earlier N(c*t) form gave 0.67 on the same window.
-    c = routing.analyse_windows([routing.Window(1, 4, 20.36, 0.0, 1)], 128, 8, 0.95)["correlation"]
+    c = routing.analyse_windows([window(1, 4, 20.36, 0.0, 1)], 128, 8, 0.95)["correlation"]
     assert c == pytest.approx(0.561, abs=0.005)
     assert theory.correlated_activated_experts(1, 128, 8, c) == pytest.approx(8.0)
 
@@ -73,14 +77,14 @@ def uniform_unique_sd(experts, top_k, tokens, reps=4000, seed=0):
 
 def test_random_weights_route_uniformly_across_sequences():
     built = tiny_moe()
-    E, K = built.footprint.experts, built.footprint.top_k
+    E, K = built.footprint["experts"], built.footprint["top_k"]
     tokens = mx.random.randint(0, 256, (64, 8))
     indices = routing.routed_indices(built.model, tokens)
     for batch in (2, 4, 8, 16):
         w = routing.count_windows(indices, batch, 1)
-        samples = w.windows * indices.shape[0]
+        samples = w["windows"] * indices.shape[0]
         tolerance = 4 * uniform_unique_sd(E, K, batch) / np.sqrt(samples)
-        assert abs(w.measured_unique - theory.activated_experts(batch, E, K)) < tolerance
+        assert abs(w["measured_unique"] - theory.activated_experts(batch, E, K)) < tolerance
 
 
 def test_correlated_routing_by_construction_raises_the_threshold():
@@ -140,7 +144,7 @@ def test_cli_routing_empty_text(tmp_path):
 
 def test_reanalyse_redoes_the_fits_from_stored_windows():
     E, K, c = 64, 4, 0.45
-    windows = [routing.Window(b, t, float(theory.activated_experts(
+    windows = [window(b, t, float(theory.activated_experts(
         theory.correlated_tokens(b, 0.95) * theory.correlated_tokens(t, c), E, K)), 0.0, 4)
         for b in (1, 2, 4) for t in (1, 2, 4, 8)]
     doc = routing.analyse_windows(windows, E, K, 0.95)

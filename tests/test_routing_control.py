@@ -104,7 +104,7 @@ def test_forced_indices_reach_the_experts_and_the_router_still_runs():
 @pytest.mark.parametrize("entry", MOE, ids=lambda e: e.name)
 def test_every_moe_architecture_runs_the_forced_indices(entry):
     built = built_moe(entry)
-    experts, top_k = built.footprint.experts, built.footprint.top_k
+    experts, top_k = built.footprint["experts"], built.footprint["top_k"]
     tokens = mx.random.randint(0, 256, (2, 3))
     control = routing_control.SweepRouting(built.model, routing_control.parse_routing("uniform"), "mlx-lm",
                                            experts, top_k)
@@ -117,7 +117,7 @@ def test_every_moe_architecture_runs_the_forced_indices(entry):
         with routing.capture_routing(built.model) as sinks:
             mx.eval(control.run(2, 3, forward))
     expected = control.generate(2, 3, len(sinks))
-    assert len(sinks) == built.footprint.moe_layers
+    assert len(sinks) == built.footprint["moe_layers"]
     for sink, indices in zip(sinks, expected):
         assert np.array_equal(np.array(sink[0]).reshape(2, 3, top_k), indices)
     assert stats == {"unique_experts": routing_control.unique_per_layer(expected), "pairs": 2 * 3 * top_k}

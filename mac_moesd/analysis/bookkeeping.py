@@ -11,40 +11,37 @@ every batch weighs alike, as the main fit is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from scipy.optimize import lsq_linear
 
-__all__ = ["Bookkeeping"]
+from mac_moesd.results import schema
+
+__all__ = ["fit", "from_stored", "not_timed", "seconds"]
 
 
-@dataclass(frozen=True)
-class Bookkeeping:
-    """T_book(B) = ``a_s`` + ``b_s`` * B seconds a round; all zero where nothing was timed."""
+def not_timed() -> schema.BookkeepingTerm:
+    """The term where the sweep timed no empty round: zero."""
+    return {"a_s": 0.0, "b_s": 0.0, "points": 0, "mape": None}
 
-    a_s: float = 0.0
-    b_s: float = 0.0
-    points: int = 0
-    mape: float | None = None  # over the points it was fitted to
 
-    def time(self, batch) -> np.ndarray:
-        return self.a_s + self.b_s * np.asarray(batch, dtype=float)
+def seconds(term: schema.BookkeepingTerm, batch) -> np.ndarray:
+    """T_book(B) = ``a_s`` + ``b_s`` * B seconds a round."""
+    return term["a_s"] + term["b_s"] * np.asarray(batch, dtype=float)
 
-    @classmethod
-    def fit(cls, points: list[tuple[int, float]]) -> Bookkeeping:
-        """The line through (batch, seconds) points, each weighed by 1/seconds; none: zero."""
-        if not points:
-            return cls()
-        batch, seconds = (np.array(v, dtype=float) for v in zip(*points))
-        design = np.stack([np.ones_like(batch), batch], axis=1) / seconds[:, None]
-        solved = lsq_linear(design, np.ones_like(seconds), bounds=(0.0, np.inf)).x
-        fitted = solved[0] + solved[1] * batch
-        return cls(float(solved[0]), float(solved[1]), len(points), float(np.mean(np.abs(fitted / seconds - 1))))
 
-    def to_dict(self) -> dict:
-        return {"a_s": self.a_s, "b_s": self.b_s, "points": self.points, "mape": self.mape}
+def fit(points: list[tuple[int, float]]) -> schema.BookkeepingTerm:
+    """The line through (batch, seconds) points, each weighed by 1/seconds; none: zero. ``mape``
+    is over the points it was fitted to."""
+    if not points:
+        return not_timed()
+    batch, timed = (np.array(v, dtype=float) for v in zip(*points))
+    design = np.stack([np.ones_like(batch), batch], axis=1) / timed[:, None]
+    solved = lsq_linear(design, np.ones_like(timed), bounds=(0.0, np.inf)).x
+    fitted = solved[0] + solved[1] * batch
+    return {"a_s": float(solved[0]), "b_s": float(solved[1]), "points": len(points),
+            "mape": float(np.mean(np.abs(fitted / timed - 1)))}
 
-    @classmethod
-    def from_dict(cls, doc: dict | None) -> Bookkeeping:
-        return cls(**doc) if doc else cls()
+
+def from_stored(doc: schema.BookkeepingTerm | None) -> schema.BookkeepingTerm:
+    """A stored term; a fit stored before the term existed has none: zero."""
+    return {**not_timed(), **doc} if doc else not_timed()

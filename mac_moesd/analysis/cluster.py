@@ -15,53 +15,40 @@ Pure numpy and scipy: no MLX.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import nnls
 
 from mac_moesd.analysis import theory
-from mac_moesd.results import parse_point_key
+from mac_moesd.results import parse_point_key, schema
 
-__all__ = ["CommKind", "CommTerm", "cluster_rows", "comm_term"]
+__all__ = ["CommTerm", "kind_time", "cluster_rows", "comm_term"]
 
 
-@dataclass(frozen=True)
-class CommKind:
-    op: str  # all_sum, all_gather, sendrecv
-    count: int  # per forward, over the whole model
-    bytes_per_token: float  # of one such collective
-    latency_s: float
-    seconds_per_byte: float
-    points: int  # distinct sizes it was fitted to
-
-    @property
-    def bandwidth_bytes_s(self) -> float | None:
-        return 1 / self.seconds_per_byte if self.seconds_per_byte > 0 else None
-
-    def time(self, n) -> np.ndarray:
-        n = np.asarray(n, dtype=float)
-        return self.count * (self.latency_s + self.seconds_per_byte * self.bytes_per_token * n)
+def kind_time(kind: schema.CommunicationKind, n) -> np.ndarray:
+    """Seconds of one kind of collective in one forward of n = B*t tokens."""
+    n = np.asarray(n, dtype=float)
+    return kind["count"] * (kind["latency_s"] + kind["seconds_per_byte"] * kind["bytes_per_token"] * n)
 
 
 @dataclass(frozen=True)
 class CommTerm:
-    kinds: tuple[CommKind, ...]
+    kinds: tuple[schema.CommunicationKind, ...]
 
     def time(self, n) -> np.ndarray:
         """Seconds of communication in one forward of n = B*t tokens."""
-        return sum((k.time(n) for k in self.kinds), np.zeros_like(np.asarray(n, dtype=float)))
+        return sum((kind_time(k, n) for k in self.kinds), np.zeros_like(np.asarray(n, dtype=float)))
 
-    def to_dict(self) -> dict:
-        return {"kinds": [{**asdict(k), "bandwidth_bytes_s": k.bandwidth_bytes_s} for k in self.kinds]}
+    def to_dict(self) -> schema.FitCommunication:
+        return {"kinds": list(self.kinds)}
 
     @classmethod
-    def from_dict(cls, doc: dict) -> CommTerm:
-        names = CommKind.__dataclass_fields__
-        return cls(tuple(CommKind(**{n: k[n] for n in names}) for k in doc["kinds"]))
+    def from_dict(cls, doc: schema.FitCommunication) -> CommTerm:
+        return cls(tuple(doc["kinds"]))
 
 
-def _fit_kind(op: str, rows: list[tuple[int, int, float, int]]) -> CommKind:
+def _fit_kind(op: str, rows: list[tuple[int, int, float, int]]) -> schema.CommunicationKind:
     """rows: (tokens n, bytes, seconds, count). Latency and seconds per byte, both >= 0."""
     sizes = sorted({(b, s) for _, b, s, _ in rows})
     nbytes = np.array([b for b, _ in sizes], dtype=float)
@@ -73,7 +60,9 @@ def _fit_kind(op: str, rows: list[tuple[int, int, float, int]]) -> CommKind:
     else:
         latency, per_byte = float(np.median(secs)), 0.0
     per_token = float(np.mean([b / n for n, b, _, _ in rows]))
-    return CommKind(op, max(c for *_, c in rows), per_token, float(latency), float(per_byte), len(sizes))
+    return {"op": op, "count": max(c for *_, c in rows), "bytes_per_token": per_token,
+            "latency_s": float(latency), "seconds_per_byte": float(per_byte), "points": len(sizes),
+            "bandwidth_bytes_s": 1 / float(per_byte) if per_byte > 0 else None}
 
 
 def comm_term(data: dict, model: str | None = None) -> CommTerm | None:

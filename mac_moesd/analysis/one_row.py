@@ -13,41 +13,28 @@ predictions worse on a 2-core machine, whose per-point noise exceeds the curve's
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 from mac_moesd.analysis import pipelining
+from mac_moesd.results import schema
 
-__all__ = ["OneRow"]
+__all__ = ["from_points", "seconds"]
 
 
-@dataclass(frozen=True)
-class OneRow:
-    """T_T(1,1) as the sweep timed it at ``context``: synchronous and, where timed, pipelined."""
+def from_points(context: int, target, target_pipelined) -> schema.OneRow | None:
+    """T_T(1,1) as the sweep timed it at ``context``: synchronous and, where timed, pipelined;
+    from (batch, tokens, seconds) rows, as ``FitInputs`` holds them; None without (1, 1)."""
+    sync = {(b, t): s for b, t, s in target}.get((1, 1))
+    if sync is None:
+        return None
+    return {"context": context, "sync_s": sync,
+            "pipelined_s": {(b, t): s for b, t, s in target_pipelined}.get((1, 1))}
 
-    context: int
-    sync_s: float
-    pipelined_s: float | None = None
 
-    @classmethod
-    def from_points(cls, context: int, target, target_pipelined) -> OneRow | None:
-        """From (batch, tokens, seconds) rows, as ``FitInputs`` holds them; None without (1, 1)."""
-        sync = {(b, t): s for b, t, s in target}.get((1, 1))
-        if sync is None:
-            return None
-        return cls(context, sync, {(b, t): s for b, t, s in target_pipelined}.get((1, 1)))
-
-    def seconds(self, pipelined: bool, hidden: float = 0.0) -> float:
-        """The timing a loop of that kind sees; where the pipelined one was not timed, the
-        synchronous one less ``hidden``, the graph-build time pipelining hides elsewhere."""
-        if not pipelined:
-            return self.sync_s
-        if self.pipelined_s is not None:
-            return self.pipelined_s
-        return float(pipelining.pipelined(self.sync_s, hidden))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> OneRow | None:
-        return cls(**data) if data else None
+def seconds(row: schema.OneRow, pipelined: bool, hidden: float = 0.0) -> float:
+    """The timing a loop of that kind sees; where the pipelined one was not timed, the
+    synchronous one less ``hidden``, the graph-build time pipelining hides elsewhere."""
+    if not pipelined:
+        return row["sync_s"]
+    timed = row.get("pipelined_s")
+    if timed is not None:
+        return timed
+    return float(pipelining.pipelined(row["sync_s"], hidden))

@@ -21,33 +21,26 @@ so is the figure wherever it is applied; a noisy machine cannot make a forward f
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import numpy as np
 
-__all__ = ["Pipelining", "draft_step", "hidden_seconds", "pipelined"]
+from mac_moesd.results import schema
+
+__all__ = ["draft_step", "from_stored", "hidden_seconds", "measured", "not_measured", "pipelined"]
 
 
-@dataclass(frozen=True)
-class Pipelining:
-    """Seconds per forward that pipelining hides, for the target and for the drafter."""
+def not_measured() -> schema.Pipelining:
+    """The record of a fit whose sweep timed no point both ways: nothing hidden."""
+    return {"target_s": 0.0, "draft_s": 0.0, "target_points": 0, "draft_points": 0, "target_mape": None}
 
-    target_s: float = 0.0
-    draft_s: float = 0.0
-    target_points: int = 0  # points timed both ways that the figure comes from
-    draft_points: int = 0
-    target_mape: float | None = None  # the fitted T_T minus target_s against the pipelined points
 
-    @property
-    def measured(self) -> bool:
-        return self.target_points > 0
+def measured(record: schema.Pipelining) -> bool:
+    """Whether the target's figure came from points timed both ways."""
+    return record.get("target_points", 0) > 0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict | None) -> Pipelining:
-        return cls(**{k: v for k, v in (data or {}).items() if k in cls.__dataclass_fields__})
+def from_stored(data: schema.Pipelining | None) -> schema.Pipelining:
+    """A stored record, with what an earlier file lacks as not measured."""
+    return {**not_measured(), **(data or {})}
 
 
 def hidden_seconds(sync: dict, pipelined: dict) -> tuple[float, int]:

@@ -20,7 +20,7 @@ import glob
 import io
 import json
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -37,7 +37,7 @@ from mac_moesd.inputs.trees import flatten
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import schema
 
-__all__ = ["Built", "ModelSource", "Footprint", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
+__all__ = ["Built", "ModelSource", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
            "resolve", "stored_format", "weights_folder"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -154,60 +154,6 @@ def _load(folder: Path, name: str, config: dict | None = None) -> nn.Module:
     return model
 
 
-@dataclass(frozen=True)
-class Footprint:
-    """Parameter counts and bytes of a built model, by category (bytes in the built format)."""
-
-    params_total: int
-    params_expert: int  # routed experts, all layers
-    params_embedding: int
-    params_head: int  # 0 when tied to the embedding
-    bytes_total: int
-    bytes_expert: int
-    bytes_embedding: int
-    bytes_head: int
-    experts: int | None
-    top_k: int | None
-    layers: int
-    moe_layers: int
-    layer_kinds: dict = field(default_factory=dict)  # ``layer_kinds``
-
-    @property
-    def params_dense(self) -> int:
-        """Parameters every token uses: attention, norms, shared experts, router, head."""
-        return self.params_total - self.params_expert - self.params_embedding
-
-    @property
-    def bytes_dense_streamed(self) -> int:
-        """Bytes read once per forward whatever the tokens: all but routed experts and the
-        embedding table (of which a forward reads only the rows it looks up), plus the table
-        again when the head is tied to it."""
-        tied = self.bytes_embedding if self.params_head == 0 else 0
-        return self.bytes_total - self.bytes_expert - self.bytes_embedding + tied
-
-    @property
-    def bytes_per_expert(self) -> float:
-        """Bytes of one expert summed over the MoE layers (what N(t) multiplies)."""
-        return self.bytes_expert / self.experts if self.experts else 0.0
-
-    @property
-    def params_active(self) -> int:
-        """Parameters one token touches: dense part plus K of E experts."""
-        if not self.experts:
-            return self.params_dense
-        assert self.top_k is not None  # set with experts (zoo.expert_shape)
-        return self.params_dense + self.params_expert * self.top_k // self.experts
-
-    def to_dict(self) -> schema.Footprint:
-        # asdict gives the dataclass's fields, which schema.Footprint declares beside the derived four
-        out = cast(schema.Footprint, asdict(self))
-        out["params_dense"] = self.params_dense
-        out["params_active"] = self.params_active
-        out["bytes_dense_streamed"] = self.bytes_dense_streamed
-        out["bytes_per_expert"] = self.bytes_per_expert
-        return out
-
-
 def _param_count(module: nn.Module) -> int:
     if hasattr(module, "bits"):  # quantized: count the weights it packs, as mlx-lm does
         bias = module.bias.size if "bias" in module else 0
@@ -219,7 +165,7 @@ def _nbytes(module: nn.Module) -> int:
     return sum(v.nbytes for _, v in flatten(module.parameters()))
 
 
-def footprint(model: nn.Module, config: dict) -> Footprint:
+def footprint(model: nn.Module, config: dict) -> schema.Footprint:
     """Count parameters and bytes from shapes alone (works on a lazy, unallocated model)."""
     shape = zoo.expert_shape(config)
     counts = {"total": [0, 0], "expert": [0, 0], "embedding": [0, 0], "head": [0, 0]}
@@ -239,21 +185,39 @@ def footprint(model: nn.Module, config: dict) -> Footprint:
             continue
         counts[kind][0] += n
         counts[kind][1] += b
-    return Footprint(
-        params_total=counts["total"][0],
-        params_expert=counts["expert"][0],
-        params_embedding=counts["embedding"][0],
-        params_head=counts["head"][0],
-        bytes_total=counts["total"][1],
-        bytes_expert=counts["expert"][1],
-        bytes_embedding=counts["embedding"][1],
-        bytes_head=counts["head"][1],
-        experts=shape[0] if shape else None,
-        top_k=shape[1] if shape else None,
-        layers=len(model.layers),
-        moe_layers=len(moe_layers),
-        layer_kinds=layer_kinds(model),
-    )
+    experts, top_k = shape if shape else (None, None)
+    return with_derived({
+        "params_total": counts["total"][0],
+        "params_expert": counts["expert"][0],
+        "params_embedding": counts["embedding"][0],
+        "params_head": counts["head"][0],
+        "bytes_total": counts["total"][1],
+        "bytes_expert": counts["expert"][1],
+        "bytes_embedding": counts["embedding"][1],
+        "bytes_head": counts["head"][1],
+        "experts": experts,
+        "top_k": top_k,
+        "layers": len(model.layers),
+        "moe_layers": len(moe_layers),
+        "layer_kinds": cast(schema.LayerKinds, layer_kinds(model)),
+    })
+
+
+def with_derived(counted: schema.Footprint) -> schema.Footprint:
+    """A footprint's counts with the four figures derived from them: ``params_dense`` (what every
+    token uses: attention, norms, shared experts, router, head), ``params_active`` (the dense part
+    plus K of E experts), ``bytes_dense_streamed`` (read once per forward whatever the tokens: all
+    but routed experts and the embedding table, of which a forward reads only the rows it looks
+    up, plus the table again when the head is tied to it) and ``bytes_per_expert`` (one expert
+    summed over the MoE layers, what N(t) multiplies)."""
+    f = counted
+    dense = f["params_total"] - f["params_expert"] - f["params_embedding"]
+    experts, top_k = f["experts"], f["top_k"]
+    tied = f["bytes_embedding"] if f["params_head"] == 0 else 0
+    return {**f, "params_dense": dense,
+            "params_active": dense + f["params_expert"] * top_k // experts if experts and top_k else dense,
+            "bytes_dense_streamed": f["bytes_total"] - f["bytes_expert"] - f["bytes_embedding"] + tied,
+            "bytes_per_expert": f["bytes_expert"] / experts if experts else 0.0}
 
 
 SEQUENCE_MIXERS = {"kv": "attention", "sliding": "sliding", "recurrent": "linear"}
@@ -291,7 +255,7 @@ class Built:
     bits: int | None
     layers: int
     layers_full: int
-    footprint: Footprint
+    footprint: schema.Footprint
 
     def materialise(self) -> None:
         """Allocate the weights one array at a time, layer by layer: mlx-lm initialises each
@@ -433,10 +397,10 @@ def describe_zoo() -> list[dict]:
             "rho": rho,
             "threshold_tokens": theory.saturation_threshold(rho) if rho else None,
             "layers": entry.config["num_hidden_layers"],
-            "params_total": fp.params_total,
-            "params_active": fp.params_active,
-            "params_expert": fp.params_expert,
-            "bytes": {f: fp.params_total * b for f, b in theory.WEIGHT_FORMATS.items()},
+            "params_total": fp["params_total"],
+            "params_active": fp["params_active"],
+            "params_expert": fp["params_expert"],
+            "bytes": {f: fp["params_total"] * b for f, b in theory.WEIGHT_FORMATS.items()},
             "source": entry.source,
         })
     return rows

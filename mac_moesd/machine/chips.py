@@ -7,26 +7,9 @@ finds which chip this is lives in ``hardware``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from mac_moesd.results import schema
 
-__all__ = ["APPLE_CHIPS", "ChipSpec", "lookup_spec"]
-
-
-@dataclass(frozen=True)
-class ChipSpec:
-    """Published figures for one Apple chip tier (SI units: bytes/s and FLOP/s)."""
-
-    name: str
-    gpu_cores: int
-    bandwidth_bytes_s: float
-    fp32_flops: float | None  # None where Apple published no figure
-    source: str
-    derived: str = ""  # how a figure not printed by Apple was obtained from one that was
-
-    @property
-    def ridge_flop_per_byte(self) -> float | None:
-        """Spec ridge point: peak FP32 FLOP/s over memory bandwidth."""
-        return None if self.fp32_flops is None else self.fp32_flops / self.bandwidth_bytes_s
+__all__ = ["APPLE_CHIPS", "lookup_spec"]
 
 
 _GB = 1e9
@@ -78,12 +61,17 @@ _M2_DERIVED = ("FP32 TFLOPS derived from the core count (cores x 128 FP32 lanes 
 _TIER = "this core count is from the Mac's tech specs; the release states the full tier"
 
 
-def _spec(name, cores, gbs, tflops, source, derived=""):
+def _spec(name: str, cores: int, gbs: float, tflops: float | None, source: str, derived: str = "") -> schema.ChipSpec:
+    """One chip tier's published figures in SI units (bytes/s, FLOP/s); ``derived`` says how a
+    figure Apple did not print was obtained from one it did. Its spec ridge point is peak FP32
+    FLOP/s over memory bandwidth (None where Apple published no FP32 figure)."""
     flops = None if tflops is None else tflops * _TFLOPS
-    return ChipSpec(name, cores, gbs * _GB, flops, source, derived)
+    return {"name": name, "gpu_cores": cores, "bandwidth_bytes_s": gbs * _GB, "fp32_flops": flops,
+            "source": source, "derived": derived,
+            "ridge_flop_per_byte": None if flops is None else flops / (gbs * _GB)}
 
 
-APPLE_CHIPS: tuple[ChipSpec, ...] = (
+APPLE_CHIPS: tuple[schema.ChipSpec, ...] = (
     _spec("Apple M1", 8, 68.25, 2.6, _M1_BW),
     _spec("Apple M1", 7, 68.25, 2.6 * 7 / 8, _M1_BW, _SCALED),
     _spec("Apple M1 Pro", 16, 200, 5.2, _M1_PRO_MAX, _EVENT),
@@ -120,11 +108,11 @@ APPLE_CHIPS: tuple[ChipSpec, ...] = (
 )
 
 
-def lookup_spec(chip: str, gpu_cores: int | None) -> ChipSpec | None:
+def lookup_spec(chip: str, gpu_cores: int | None) -> schema.ChipSpec | None:
     """The table entry for a chip name and core count; the full-core tier when cores are unknown."""
-    tiers = [c for c in APPLE_CHIPS if c.name.lower() == chip.strip().lower()]
+    tiers = [c for c in APPLE_CHIPS if c["name"].lower() == chip.strip().lower()]
     if not tiers:
         return None
     if gpu_cores is None:
-        return max(tiers, key=lambda c: c.gpu_cores)
-    return next((c for c in tiers if c.gpu_cores == gpu_cores), None)
+        return max(tiers, key=lambda c: c["gpu_cores"])
+    return next((c for c in tiers if c["gpu_cores"] == gpu_cores), None)

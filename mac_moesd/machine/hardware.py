@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 from mac_moesd.errors import MacMoesdError
-from mac_moesd.machine.chips import APPLE_CHIPS, ChipSpec, lookup_spec
+from mac_moesd.machine.chips import APPLE_CHIPS, lookup_spec
+from mac_moesd.results import schema
 
-__all__ = ["APPLE_CHIPS", "ChipSpec", "Machine", "chip_slug", "detect", "lookup_spec", "measuring_stage",
+__all__ = ["APPLE_CHIPS", "Machine", "chip_slug", "detect", "lookup_spec", "measuring_stage",
            "mac_version", "native_python_problem", "power_warnings", "require_native_python",
            "wired_limit_unavailable"]
 
@@ -170,7 +171,7 @@ class Machine:
     available_bytes: int | None  # what a measurement may allocate: working set on Metal, free RAM elsewhere
     backend: str  # "metal", "cuda" or "cpu"
     os: str
-    spec: ChipSpec | None
+    spec: schema.ChipSpec | None
     slug: str
     power_source: str | None
     device_info: dict
@@ -179,10 +180,7 @@ class Machine:
     warnings: list[str] = field(default_factory=list)  # power and thermal state, with advice
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        if self.spec is not None:
-            out["spec"]["ridge_flop_per_byte"] = self.spec.ridge_flop_per_byte
-        return out
+        return asdict(self)
 
 
 def mlx_backend() -> str:

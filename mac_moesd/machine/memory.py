@@ -267,10 +267,10 @@ def _cache_shape(built) -> CacheShape:
     config, db = built.config, _dtype_bytes(built)
     layers = config["num_hidden_layers"]
     one = kv_bytes_per_slot(config, db)
-    kinds = built.footprint.layer_kinds
+    kinds = built.footprint["layer_kinds"]
     if not kinds or not any(kinds.get(k) for k in ("attention", "sliding", "linear")):
         return CacheShape(per_slot=one * layers)
-    share = layers / built.footprint.layers  # 1, or a pipeline stage's part of the model
+    share = layers / built.footprint["layers"]  # 1, or a pipeline stage's part of the model
     state = recurrent_state_bytes(built.model) if kinds["linear"] else 0
     return CacheShape(per_slot=round(one * kinds["attention"] * share),
                       window_per_slot=round(one * kinds["sliding"] * share),
@@ -359,7 +359,7 @@ def _dtype_bytes(built) -> int:
 
 
 def _materialise(built) -> dict[str, int]:
-    return {"weights": built.footprint.bytes_total,
+    return {"weights": built.footprint["bytes_total"],
             "init_transient": init_transient_bytes(built.model, built.dtype, built.bits is not None)}
 
 
@@ -383,7 +383,7 @@ def sweep_estimate(built, batches: tuple[int, ...], tokens: tuple[int, ...], con
     # copy at the second context (counted at full length: an upper bound).
     copies = big + rows + (big if shortened else 0)
     snapshots = 0 if shape.plain_kv else copies * shape.bytes(prefill_peak, first)
-    weights = built.footprint.bytes_total
+    weights = built.footprint["bytes_total"]
     forward = {"activations": activation_bytes(config, db, big, step, context + step),
                "logits": logits_bytes(config, big, step)}
     return phases(
@@ -402,7 +402,7 @@ def routing_estimate(built, sequences: int, length: int) -> dict:
     config, db = built.config, _dtype_bytes(built)
     return phases(
         materialise=_materialise(built),
-        forward={"weights": built.footprint.bytes_total,
+        forward={"weights": built.footprint["bytes_total"],
                  "activations": activation_bytes(config, db, sequences, length, length)},
     )
 
@@ -433,12 +433,12 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
     # rollback keeps gamma more recurrent states (one after each verify position but the last).
     snapshots = sum(0 if s.plain_kv else s.bytes(prefill_peak, first) + s.snapshot_bytes(decode_peak, gamma + 1)
                     + gamma * s.state for s in shapes)
-    weights = {"weights": target.footprint.bytes_total}
+    weights = {"weights": target.footprint["bytes_total"]}
     if draft is not None:
-        weights["draft_weights"] = draft.footprint.bytes_total
+        weights["draft_weights"] = draft.footprint["bytes_total"]
     if mtp_head:
         dims = target.config["hidden_size"]
-        weights["head_weights"] = target.footprint.bytes_total // target.footprint.layers + 2 * dims * dims * db
+        weights["head_weights"] = target.footprint["bytes_total"] // target.footprint["layers"] + 2 * dims * dims * db
     vocab = target.config["vocab_size"]
     named = {"materialise": _materialise(target)}
     if draft is not None:

@@ -288,7 +288,7 @@ def _planned_machine(chip: str | None, memory_gib: float | None, memory_limit_gi
         usable = memory.usable_from(memory.working_set_bytes(ram), None, limit_bytes,
                                     "working set of a Mac with this RAM (2/3 of it up to 32 GiB, 3/4 above; "
                                     "docs/design.md §5); nothing else assumed running")
-        return "metal", f"{found.name} {found.gpu_cores}c", ram, usable, estimate.chip_rates(found)
+        return "metal", f"{found['name']} {found['gpu_cores']}c", ram, usable, estimate.chip_rates(found)
     machine = hardware.detect()
     total = machine.memory_bytes
     if memory_gib is not None:

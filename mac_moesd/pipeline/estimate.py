@@ -30,6 +30,7 @@ from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts
 from mac_moesd.pipeline.plans import PairPlan, Plan
+from mac_moesd.results import schema
 
 __all__ = ["Rates", "Sizing", "chip_rates", "dry_run", "parse_chip"]
 
@@ -67,7 +68,7 @@ class Sizing:
         return "float16" if self.backend != "cpu" else "float32"
 
 
-def parse_chip(text: str) -> hardware.ChipSpec:
+def parse_chip(text: str) -> schema.ChipSpec:
     """'Apple M3 Pro' (full-core tier) or 'Apple M3 Pro 18c' from the chip table."""
     match = re.fullmatch(r"\s*(.*?)(?:\s+(\d+)\s*c(?:ores?)?)?\s*", text, flags=re.IGNORECASE)
     # no match: a line break inside the name, which no chip of the table has
@@ -76,16 +77,16 @@ def parse_chip(text: str) -> hardware.ChipSpec:
         name = f"Apple {name}"
     found = hardware.lookup_spec(name, int(cores) if cores else None)
     if found is None:
-        known = sorted({f"{c.name} {c.gpu_cores}c" for c in hardware.APPLE_CHIPS})
+        known = sorted({f"{c['name']} {c['gpu_cores']}c" for c in hardware.APPLE_CHIPS})
         raise BadInput(f"unknown chip {text!r}; known: {', '.join(known)}")
     return found
 
 
-def chip_rates(chip: hardware.ChipSpec) -> Rates:
-    if chip.fp32_flops is not None:
-        return Rates(chip.bandwidth_bytes_s, chip.fp32_flops, f"{chip.name} spec")
-    return Rates(chip.bandwidth_bytes_s, _M2_PER_CORE * chip.gpu_cores,
-                 f"{chip.name} spec bandwidth; FLOPS from {chip.gpu_cores} cores at M2's "
+def chip_rates(chip: schema.ChipSpec) -> Rates:
+    if chip["fp32_flops"] is not None:
+        return Rates(chip["bandwidth_bytes_s"], chip["fp32_flops"], f"{chip['name']} spec")
+    return Rates(chip["bandwidth_bytes_s"], _M2_PER_CORE * chip["gpu_cores"],
+                 f"{chip['name']} spec bandwidth; FLOPS from {chip['gpu_cores']} cores at M2's "
                  "published per-core rate (no figure published for this chip)")
 
 
@@ -106,9 +107,9 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
     fp = built.footprint
     config = built.config
     n = batch * tokens
-    weight_bytes = fp.bytes_dense_streamed
-    if fp.experts:
-        weight_bytes += theory.activated_experts(n, fp.experts, fp.top_k) * fp.bytes_per_expert
+    weight_bytes = fp["bytes_dense_streamed"]
+    if fp["experts"]:
+        weight_bytes += theory.activated_experts(n, fp["experts"], fp["top_k"]) * fp["bytes_per_expert"]
     shape = memory.cache_shape(built)  # of the layers this process runs (a pipeline stage: fewer)
     moved = weight_bytes + batch * shape.bytes(context)
     # attention over the context, in the layers that keep keys (a window's over at most its size)
@@ -116,7 +117,7 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
     attended = (shape.bytes(context) - shape.state) / one_layer if one_layer else 0
     heads = config.get("num_attention_heads", 1)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    flop = 2 * fp.params_active * n + 4 * n * heads * head_dim * attended
+    flop = 2 * fp["params_active"] * n + 4 * n * heads * head_dim * attended
     return max(moved / rates.bandwidth_bytes_s, flop / rates.flops)
 
 
@@ -152,7 +153,7 @@ def _cumsum(values):
 def materialise_seconds(built, rates: Rates) -> float:
     """Random float32 init written, read for the cast, cast written and read for quantization,
     final weights written: 12 bytes per parameter plus the final bytes, at bandwidth."""
-    return (12 * built.footprint.params_total + built.footprint.bytes_total) / rates.bandwidth_bytes_s
+    return (12 * built.footprint["params_total"] + built.footprint["bytes_total"]) / rates.bandwidth_bytes_s
 
 
 # ---- stages ----

@@ -113,7 +113,7 @@ def _cluster_sweep_stage(plan: Plan, name: str, dtype: str, usable: int, rates: 
         seconds += len(kinds) * single.point_seconds(timing.MIN_EVAL_S, budget)
         peak = max(peak, max(n["peak_bytes"] for n in needs))
         parts.append({"layers": layers, "peak_bytes": max(n["peak_bytes"] for n in needs)})
-        rank_rows = [{"rank": r, "layers": b.config["num_hidden_layers"], "weights_bytes": b.footprint.bytes_total,
+        rank_rows = [{"rank": r, "layers": b.config["num_hidden_layers"], "weights_bytes": b.footprint["bytes_total"],
                       "peak_bytes": n["peak_bytes"], "phase": n["phase"]}
                      for r, (b, n) in enumerate(zip(builds, needs))]
     if cfg.draft:  # none in a pair run drafted without a model (prompt lookup, an MTP head)
@@ -156,7 +156,7 @@ def dry_run_cluster(plan: Plan, backend: str, chip: str, memory_bytes: int | Non
                                      plan, name, dtype, budget, rates, parallel, ranks, link))
     for s in stages:
         s["fits"] = s["peak_bytes"] <= budget
-    whole = {name: models.build(models.resolve(name), dtype, plan.bits).footprint.bytes_total for name in plan.moe}
+    whole = {name: models.build(models.resolve(name), dtype, plan.bits).footprint["bytes_total"] for name in plan.moe}
     return {
         "chip": chip, "backend": backend, "dtype": dtype, "bits": plan.bits, "ranks": ranks, "parallel": parallel,
         "memory_bytes": memory_bytes, "usable_bytes": budget, "usable": usable.to_dict(),

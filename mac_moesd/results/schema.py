@@ -192,7 +192,8 @@ class KernelPath(TypedDict, total=False):
     reason: str
 
 
-class Kernels(TypedDict, total=False):
+class KernelPaths(TypedDict, total=False):
+    """Which path the roofline's kernels took (metal, mlx or mixed), and why."""
     path: str
     note: str
     per_kernel: dict[str, KernelPath]
@@ -271,7 +272,7 @@ class FractionOfSpec(TypedDict, total=False):
 
 class Roofline(TypedDict, total=False):
     backend: str
-    kernels: Kernels
+    kernels: KernelPaths
     compute_dtype: str
     memory: Memory
     shrunk: Shrunk | None
@@ -412,11 +413,12 @@ class Variant(TypedDict, total=False):
 
 
 class Pipelining(TypedDict, total=False):
-    target_s: float | None
-    draft_s: float | None
-    target_points: int
+    """Seconds per forward that pipelining hides, for the target and for the drafter."""
+    target_s: float
+    draft_s: float
+    target_points: int  # points timed both ways that the figure comes from
     draft_points: int
-    target_mape: float | None
+    target_mape: float | None  # the fitted T_T minus target_s against the pipelined points
 
 
 class FitRouting(TypedDict, total=False):
@@ -426,9 +428,10 @@ class FitRouting(TypedDict, total=False):
 
 
 class OneRow(TypedDict, total=False):
+    """T_T(1,1) as the sweep timed it at ``context``: synchronous and, where timed, pipelined."""
     context: int
     sync_s: float
-    pipelined_s: float
+    pipelined_s: float | None
 
 
 class KvTerm(TypedDict, total=False):
@@ -774,10 +777,10 @@ class PairRecord(TypedDict, total=False):
     context: int
     spec_batches: list[int]
     spec_gammas: list[int]
-    sweep_routing: SweepRouting  # how the pair's sweep routed its experts
+    sweep_routing: PairSweepRouting  # how the pair's sweep routed its experts
 
 
-class SweepRouting(TypedDict, total=False):
+class PairSweepRouting(TypedDict, total=False):
     """A pair sweep's routing: its prompt sets' recorded traces replayed, or the model's own
     router where the traces hold too few sequences (then ``why``)."""
     routing: str  # as `sweep --routing` takes it

@@ -63,10 +63,10 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
                       "worst_point": v.worst}
                      for v in result.variants],
         "missing": list(i.missing),
-        "pipelining": result.pipelining.to_dict(),
-        "bookkeeping": result.bookkeeping.to_dict(),
+        "pipelining": result.pipelining,
+        "bookkeeping": result.bookkeeping,
         "routing": i.routing.to_dict(),
-        "one_row": chosen.one_row.to_dict() if chosen.one_row else None,
+        "one_row": chosen.one_row,
         "params": _params_doc(best, i.drafted),
         "k_kv": best.k_kv,
         "k_seq": best.k_seq,

@@ -251,8 +251,8 @@ def _roofline_or_spec(data: dict, dtype: str) -> tuple[float | None, str, float 
     spec = lookup_spec(meta.get("chip", ""), meta.get("gpu_cores"))
     if spec is None:
         return None, "no roofline and no published spec", None, "none (no roofline, no published spec)"
-    where = f"published spec of {spec.name} (no roofline measured)"
-    if spec.ridge_flop_per_byte is None:
-        return None, f"{where} without FLOPS", spec.bandwidth_bytes_s, where
+    where = f"published spec of {spec['name']} (no roofline measured)"
+    if spec["ridge_flop_per_byte"] is None:
+        return None, f"{where} without FLOPS", spec["bandwidth_bytes_s"], where
     note = "" if dtype == "float32" else f"; Apple publishes FP32 only, taken as the {dtype} peak too"
-    return spec.ridge_flop_per_byte, f"{where}, FP32 peak{note}", spec.bandwidth_bytes_s, where
+    return spec["ridge_flop_per_byte"], f"{where}, FP32 peak{note}", spec["bandwidth_bytes_s"], where

@@ -9,11 +9,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mac_moesd.analysis import break_even, cluster, expert_reads, pipelining, theory
-from mac_moesd.analysis.bookkeeping import Bookkeeping
+from mac_moesd.analysis import bookkeeping, break_even, cluster, expert_reads, one_row, pipelining, theory
 from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, NO_DRAFT, FitInputs
-from mac_moesd.analysis.one_row import OneRow
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import schema
 
 __all__ = ["DEFAULT_ALPHAS", "DEFAULT_BATCHES", "DEFAULT_GAMMAS", "FitResult", "FittedModel", "VariantFit",
            "paper_comparison", "peaks", "predict", "sparsity_sweep", "verify_tokens"]
@@ -39,15 +38,15 @@ class FittedModel:
     loads: str
     sort_threshold: int
     drafted: bool
-    pipelining: pipelining.Pipelining = pipelining.Pipelining()
+    pipelining: schema.Pipelining = field(default_factory=pipelining.not_measured)
     comm: cluster.CommTerm | None = None  # a sharded forward's measured communication
     routing: expert_reads.Routing = expert_reads.Routing()  # unique experts the routing activates
-    one_row: OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
+    one_row: schema.OneRow | None = None  # the sweep's timing of T_T(1,1), which the curve misses
     k_seq: float = 0.0  # seconds per sequence that do not grow with context (theory.kv_time)
     # Which models re-forward the kept tokens when a round rolls back (a recurrent state cannot
     # trim, docs/design.md §4.7): ``target`` and/or ``draft``; none for plain KV caches.
     reforward: tuple[str, ...] = ()
-    bookkeeping: Bookkeeping = Bookkeeping()  # the SD loop's own work a round (zero: not timed)
+    bookkeeping: schema.BookkeepingTerm = field(default_factory=bookkeeping.not_timed)  # the SD loop's own work a round (zero: not timed)
     # The recurrent layers' sequential state update: seconds per token per layer, whatever the
     # batch (``linear_layers`` of them; 0 on a model without one).
     k_rec: float = 0.0
@@ -70,13 +69,13 @@ class FittedModel:
         recurrence = self.k_rec * self.linear_layers * np.asarray(tokens, dtype=float)
         sync = (self.params.target_time(n, self.experts, self.top_k, self.ridge_tokens, self.loads,
                                         self.sort_threshold, active) + kv + recurrence + link)
-        curve = pipelining.pipelined(sync, self.pipelining.target_s) if pipelined else sync
+        curve = pipelining.pipelined(sync, self.pipelining["target_s"]) if pipelined else sync
         if self.one_row is None:
             return curve
         # The timing includes the sweep's own link; a free link takes the measured one off.
         free_link = self.comm.time(n) if not comm and self.comm is not None else 0.0
-        here = (self.one_row.seconds(pipelined, self.pipelining.target_s) + kv
-                - theory.kv_time(batch, self.one_row.context, self.k_kv, self.k_seq) - free_link)
+        here = (one_row.seconds(self.one_row, pipelined, self.pipelining["target_s"]) + kv
+                - theory.kv_time(batch, self.one_row["context"], self.k_kv, self.k_seq) - free_link)
         return np.where((n == 1) & (here > 0), here, curve)
 
     def speedup(self, batch, gamma: int, alpha: float, context: float, verify: str = DEFAULT_VERIFY,
@@ -95,7 +94,7 @@ class FittedModel:
         reject_s = fitted_reject if reject is None or self.drafted else reject
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
         fed = self.catch_up(batch, gamma, alpha, catch_up)
-        per_round = reject_s + rollback + self.bookkeeping.time(batch) + fed * draft
+        per_round = reject_s + rollback + bookkeeping.seconds(self.bookkeeping, batch) + fed * draft
         return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
 
     @staticmethod
@@ -121,7 +120,7 @@ class FittedModel:
         verify = float(np.mean(self.target(batch, np.asarray(widths) + 1, context)))
         rollback = (rolled_back_share * float(self.target(batch, tokens_per_round, context))
                     if "target" in self.reforward else 0.0)
-        return tokens_per_round * plain / (lookup_s + verify + rollback + float(self.bookkeeping.time(batch)))
+        return tokens_per_round * plain / (lookup_s + verify + rollback + float(bookkeeping.seconds(self.bookkeeping, batch)))
 
     def rollback_time(self, batch, gamma: int, alpha: float, context: float, self_draft: bool = False,
                       comm: bool = True, drafter_trims: bool = False) -> np.ndarray:
@@ -162,10 +161,10 @@ class FittedModel:
             draft = draft_step
         elif self_draft:
             draft = pipelining.draft_step(self.target(batch, 1, context, comm=comm),
-                                          self.pipelining.target_s, gamma)
+                                          self.pipelining["target_s"], gamma)
         else:
             draft = pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
-                                          self.pipelining.draft_s, gamma)
+                                          self.pipelining["draft_s"], gamma)
         return plain, verify_t, draft, self.params.reject_time(batch)
 
     @classmethod
@@ -177,11 +176,11 @@ class FittedModel:
         comm = doc.get("communication")
         return cls(theory.TimeModel(**params), v["k_kv"], doc["experts"], doc["top_k"],
                    doc["ridge_tokens"], name, doc["sort_threshold"], doc["drafted"],
-                   pipelining.Pipelining.from_dict(doc.get("pipelining")),
+                   pipelining.from_stored(doc.get("pipelining")),
                    cluster.CommTerm.from_dict(comm) if comm else None,
                    expert_reads.Routing.from_dict(doc.get("routing")),
-                   OneRow.from_dict(doc.get("one_row")), v.get("k_seq", 0.0), tuple(doc.get("reforward", ())),
-                   Bookkeeping.from_dict(doc.get("bookkeeping")), v.get("k_rec", 0.0), doc.get("linear_layers", 0))
+                   doc.get("one_row") or None, v.get("k_seq", 0.0), tuple(doc.get("reforward", ())),
+                   bookkeeping.from_stored(doc.get("bookkeeping")), v.get("k_rec", 0.0), doc.get("linear_layers", 0))
 
 
 @dataclass(frozen=True)
@@ -205,8 +204,8 @@ class FitResult:
     variants: list[VariantFit]
     chosen: str
     inputs: FitInputs = field(repr=False)
-    pipelining: pipelining.Pipelining = pipelining.Pipelining()
-    bookkeeping: Bookkeeping = Bookkeeping()
+    pipelining: schema.Pipelining = field(default_factory=pipelining.not_measured)
+    bookkeeping: schema.BookkeepingTerm = field(default_factory=bookkeeping.not_timed)
 
     def variant(self, name: str) -> VariantFit:
         return next(v for v in self.variants if v.name == name)
@@ -236,7 +235,7 @@ class FitResult:
         timing of it (``one_row``), else the fitted curve's."""
         v = self.variant(name or self.chosen)
         i = self.inputs
-        row = OneRow.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
+        row = one_row.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
                            i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq,
                            i.reforward, self.bookkeeping, v.k_rec, i.linear_layers)
@@ -266,7 +265,7 @@ def predict(
             s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
                  else [None] * len(batches))
             # The round's costs besides its forwards: the rollback and the loop's bookkeeping.
-            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context) + model.bookkeeping.time(b),
+            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context) + bookkeeping.seconds(model.bookkeeping, b),
                                        b.shape)
             rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
                       "speedup": None if v is None else float(v), "target_efficiency": float(e),

@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import least_squares
 
-from mac_moesd.analysis import pipelining, theory
+from mac_moesd.analysis import bookkeeping, pipelining, theory
 from mac_moesd.analysis.fit.inputs import FitInputs
-from mac_moesd.analysis.bookkeeping import Bookkeeping
 from mac_moesd.analysis.fit.model import FitResult, FittedModel, VariantFit
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.results import schema
 
 __all__ = ["BANDWIDTH_SLACK", "REGIMES", "bounds_for", "fit", "fit_variant", "measure_pipelining", "regime",
            "split"]
@@ -45,7 +45,7 @@ def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> F
     fitted = [fit_variant(inputs, name) for name in variants]
     scored = [(v.heldout_mape, v) for v in fitted if v.heldout_mape is not None]
     chosen = min(scored, key=lambda mv: mv[0])[1] if scored else fitted[0]
-    result = FitResult(fitted, chosen.name, inputs, bookkeeping=Bookkeeping.fit(list(inputs.bookkeeping)))
+    result = FitResult(fitted, chosen.name, inputs, bookkeeping=bookkeeping.fit(list(inputs.bookkeeping)))
     return replace(result, pipelining=measure_pipelining(result))
 
 
@@ -63,7 +63,7 @@ def regime(result: FitResult) -> str:
     return text + "."
 
 
-def measure_pipelining(result: FitResult) -> pipelining.Pipelining:
+def measure_pipelining(result: FitResult) -> schema.Pipelining:
     """The seconds per forward pipelining hides, from the points timed both ways, and how well
     the fitted T_T less that figure matches the pipelined points."""
     i = result.inputs
@@ -74,12 +74,13 @@ def measure_pipelining(result: FitResult) -> pipelining.Pipelining:
     decode = {k: s for k, s in pipelined.items() if k[1] == 1}
     target_s, target_n = pipelining.hidden_seconds({(b, t): s for b, t, s in i.target}, decode or pipelined)
     draft_s, draft_n = pipelining.hidden_seconds(dict(i.draft), dict(i.draft_pipelined))
-    found = pipelining.Pipelining(target_s, draft_s, target_n, draft_n)
+    found: schema.Pipelining = {"target_s": target_s, "draft_s": draft_s, "target_points": target_n,
+                                "draft_points": draft_n, "target_mape": None}
     if not target_n:
         return found
     model = replace(result.model(timed_one_row=False), pipelining=found)
     errors = [float(model.target(b, t, i.context, pipelined=True)) / s - 1 for b, t, s in i.target_pipelined]
-    return replace(found, target_mape=float(np.mean(np.abs(errors))))
+    return {**found, "target_mape": float(np.mean(np.abs(errors)))}
 
 
 def bounds_for(inputs: FitInputs, loads: str = "unique") -> dict[str, tuple[float, float]]:

@@ -16,15 +16,17 @@ import contextlib
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
 
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.results import schema
+from mac_moesd.results.schema import Measurement
 
-__all__ = ["Budget", "Drift", "Measurement", "Point", "Ranks", "bootstrap_median_ci", "calibrate", "drift", "launches",
+__all__ = ["Budget", "Measurement", "Point", "Ranks", "bootstrap_median_ci", "calibrate", "drift", "launches",
            "finite_time", "measure", "per_launch", "summarise", "synchronised"]
 
 DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
@@ -71,29 +73,6 @@ class Budget:
 
 
 QUICK = Budget(warmup=1, min_repeats=5, max_repeats=40, target_ci=0.02, seconds_per_point=0.5)
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """Summary of one point's samples (seconds)."""
-
-    median_s: float
-    iqr_s: float
-    cv: float
-    min_s: float
-    mean_s: float
-    repeats: int
-    ci_rel: float  # half-width of the median's 95% CI over the median
-    converged: bool  # False when the budget ended before the CI was within target
-    warmups: int
-    samples_s: list[float] = field(repr=False, default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Measurement:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 def median_ci_rel(sorted_values: np.ndarray) -> float:
@@ -309,50 +288,33 @@ def calibrate(launch: Callable, max_k: int = MAX_LAUNCHES, min_seconds: float = 
 
 def per_launch(m: Measurement, k: int) -> Measurement:
     """A measurement of evals of K launches, as seconds per launch (CV and CI are unchanged)."""
-    return replace(m, median_s=m.median_s / k, iqr_s=m.iqr_s / k, min_s=m.min_s / k,
-                   mean_s=m.mean_s / k, samples_s=[v / k for v in m.samples_s])
+    return {**m, "median_s": m["median_s"] / k, "iqr_s": m["iqr_s"] / k, "min_s": m["min_s"] / k,
+            "mean_s": m["mean_s"] / k, "samples_s": [v / k for v in m["samples_s"]]}
 
 
-@dataclass(frozen=True)
-class Drift:
+def drift(before: Measurement, after: Measurement, threshold: float = DRIFT_THRESHOLD) -> schema.Drift:
     """A reference point measured at the start and again at the end of a run."""
-
-    before_s: float
-    after_s: float
-    threshold: float = DRIFT_THRESHOLD
-
-    @property
-    def change(self) -> float:
-        return self.after_s / self.before_s - 1.0
-
-    @property
-    def flagged(self) -> bool:
-        return abs(self.change) > self.threshold
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "change": self.change, "flagged": self.flagged}
-
-
-def drift(before: Measurement, after: Measurement) -> Drift:
-    return Drift(before.median_s, after.median_s)
+    change = after["median_s"] / before["median_s"] - 1.0
+    return {"before_s": before["median_s"], "after_s": after["median_s"], "threshold": threshold,
+            "change": change, "flagged": abs(change) > threshold}
 
 
 def grid_warnings(label: str, measurements: list[Measurement]) -> list[str]:
     """pyperf-style advice on a set of measurements that should not be trusted as they are."""
     out = []
-    noisy = [m for m in measurements if m.cv >= 0.10]
+    noisy = [m for m in measurements if m["cv"] >= 0.10]
     if noisy:
-        worst = max(m.cv for m in noisy)
+        worst = max(m["cv"] for m in noisy)
         out.append(
             f"{label}: {len(noisy)} of {len(measurements)} points have a spread of 10% or more "
             f"(worst CV {worst:.0%}); close other apps, plug in power, and rerun"
         )
-    short = [m for m in measurements if m.median_s < SHORT_SAMPLE_S]
+    short = [m for m in measurements if m["median_s"] < SHORT_SAMPLE_S]
     if short:
         out.append(f"{label}: {len(short)} points take under 1 ms; launch overhead weighs on them")
-    loose = [m for m in measurements if not m.converged]
+    loose = [m for m in measurements if not m["converged"]]
     if loose:
-        worst = max(m.ci_rel for m in loose)
+        worst = max(m["ci_rel"] for m in loose)
         out.append(
             f"{label}: {len(loose)} of {len(measurements)} points ended on the time budget before "
             f"the median's 95% CI reached the target (worst +/-{worst:.1%}); "

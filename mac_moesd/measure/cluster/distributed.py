@@ -22,9 +22,9 @@ import json
 import os
 import random
 import socket
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +37,7 @@ from mac_moesd.measure.cluster import collectives, sharding
 from mac_moesd.measure.forward.sweep import SweepConfig, entry_key, run_sweep
 from mac_moesd.progress import Progress
 from mac_moesd.measure.clock.watchdog import Watchdog
-from mac_moesd.results import ResultsStore, point_key
+from mac_moesd.results import ResultsStore, point_key, schema
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Cluster", "join", "launched_backend", "run_cluster_sweep"]
 
@@ -184,11 +184,10 @@ def sharded_builder(cluster: Cluster, sharded_by: dict) -> Callable[..., models.
         built, how = shard_built(models.build(source, dtype, bits, layers, seed=seed), cluster.parallel,
                                  cluster.group)
         sharded_by["by"] = how
-        fp = built.footprint
-        names = [f.name for f in fields(fp) if isinstance(getattr(fp, f.name), int)]
-        worst = cluster.largest([getattr(fp, n) for n in names])
-        largest: dict[str, Any] = dict(zip(names, worst))  # int fields only, named at run time
-        return replace(built, footprint=replace(fp, **largest))
+        fp: dict[str, Any] = dict(built.footprint)
+        names = [name for name, value in fp.items() if isinstance(value, int)]
+        largest = dict(zip(names, cluster.largest([fp[n] for n in names])))  # counts; derived ones recomputed
+        return replace(built, footprint=models.with_derived(cast(schema.Footprint, {**fp, **largest})))
 
     return build
 
@@ -247,7 +246,7 @@ def time_op(op: dict, cluster: Cluster, budget: timing.Budget, rng: random.Rando
             lambda: None, batch=lambda _, n: collectives.op_point(op, cluster.group, n), max_k=256))
     point = collectives.op_point(op, cluster.group, k)
     m = timing.per_launch(timing.measure({0: point}, budget, rng)[0], k)
-    return {"launches": k, "median_s": m.median_s, "iqr_s": m.iqr_s, "cv": m.cv, "repeats": m.repeats}
+    return {"launches": k, "median_s": m["median_s"], "iqr_s": m["iqr_s"], "cv": m["cv"], "repeats": m["repeats"]}
 
 
 # ---- the command ----

@@ -23,7 +23,6 @@ import numpy as np
 
 from mac_moesd.analysis import acceptance
 from mac_moesd.results import schema
-from mac_moesd.measure.decoding.prompt_lookup import LookupRule
 from mac_moesd.measure.decoding.sd_loop import Decoder, RuleProbs
 
 __all__ = ["NEAR_TIE", "greedy_check", "logit_margin", "measure_acceptance"]
@@ -78,7 +77,7 @@ def greedy_check(pairs, margin_of=None) -> schema.GreedyCheck:
 
 def measure_acceptance(target, draft, prompt_ids: list[list[int]], gamma: int, temperature: float,
                        new_tokens: int, seed: int = 0, rollback: str = "auto", vocab: int | None = None,
-                       lookup: LookupRule | None = None) -> dict:
+                       lookup: schema.LookupRule | None = None) -> dict:
     """SD of ``new_tokens`` tokens after each prompt, every token among the first ``vocab`` ids
     (``Decoder``); see the module docstring for what it holds. With ``lookup`` (``draft``
     None), drafted by prompt lookup: its drafts have no distribution of their own, so at

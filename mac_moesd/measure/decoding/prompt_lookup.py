@@ -11,35 +11,26 @@ pays it; at a batch, each sequence searches its own context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from mac_moesd.results import schema
 
-__all__ = ["LookupRule", "PromptLookup", "propose"]
+__all__ = ["PromptLookup", "lookup_rule", "propose"]
 
 
-@dataclass(frozen=True)
-class LookupRule:
+def lookup_rule(max_ngram: int = 3, min_ngram: int = 1) -> schema.LookupRule:
     """The n-gram lengths tried, longest first."""
-
-    max_ngram: int = 3
-    min_ngram: int = 1
-
-    def __post_init__(self):
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError("--lookup-min-ngram must be >= 1 and <= --lookup-max-ngram")
-
-    def to_dict(self) -> schema.LookupRule:
-        return {"max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError("--lookup-min-ngram must be >= 1 and <= --lookup-max-ngram")
+    return {"max_ngram": max_ngram, "min_ngram": min_ngram}
 
 
-def propose(context: np.ndarray, gamma: int, rule: LookupRule = LookupRule()) -> np.ndarray:
+def propose(context: np.ndarray, gamma: int, rule: schema.LookupRule | None = None) -> np.ndarray:
     """Up to ``gamma`` tokens that followed the most recent earlier occurrence of the longest
     n-gram ending ``context`` (1-D) that occurred before; empty when none did."""
+    rule = rule or lookup_rule()
     length = context.shape[0]
-    for n in range(min(rule.max_ngram, length - 1), rule.min_ngram - 1, -1):
+    for n in range(min(rule["max_ngram"], length - 1), rule["min_ngram"] - 1, -1):
         # Windows starting at 0 .. length-n-1: each is followed by at least one token.
         windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)
         hits = np.flatnonzero((windows == context[length - n :]).all(axis=1))
@@ -52,8 +43,8 @@ def propose(context: np.ndarray, gamma: int, rule: LookupRule = LookupRule()) ->
 class PromptLookup:
     """Each sequence's context (prompt, then what the loop emits) and its proposals per round."""
 
-    def __init__(self, prompts: np.ndarray, rule: LookupRule = LookupRule()):
-        self.rule = rule
+    def __init__(self, prompts: np.ndarray, rule: schema.LookupRule | None = None):
+        self.rule = rule or lookup_rule()
         self.initial = [np.asarray(row, dtype=np.int64) for row in prompts]
         self.contexts = list(self.initial)
 

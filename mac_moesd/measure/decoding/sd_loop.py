@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 from mac_moesd.measure.clock import timing
-from mac_moesd.measure.decoding.prompt_lookup import LookupRule, PromptLookup
+from mac_moesd.measure.decoding.prompt_lookup import PromptLookup
 from mac_moesd.measure.caches.rollback import Rollback
 from mac_moesd.measure.decoding.sampling import random_ids, rejection_sample
 from mac_moesd.measure.caches.rolled_cache import RolledBackCache
+from mac_moesd.results import schema
 
 __all__ = ["Decoded", "Decoder", "accept", "advance", "common_prompt"]
 
@@ -93,7 +94,7 @@ class Decoder:
     (a drafter padded wider than its target, or the reverse, is common)."""
 
     def __init__(self, target, draft, prompt: mx.array, random_tokens: int | None = None,
-                 rollback: str = "auto", vocab: int | None = None, lookup: LookupRule | None = None):
+                 rollback: str = "auto", vocab: int | None = None, lookup: schema.LookupRule | None = None):
         self.target, self.draft = target, draft
         self.random_tokens, self.vocab = random_tokens, vocab
         self.prompt = prompt

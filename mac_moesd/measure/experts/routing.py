@@ -133,15 +133,6 @@ def capture_routing(model: nn.Module):
 # ---- counting ----
 
 
-@dataclass(frozen=True)
-class Window:
-    batch: int
-    tokens: int
-    measured_unique: float  # mean over windows and layers
-    std_unique: float  # spread across windows and layers
-    windows: int  # windows counted per layer
-
-
 def routed_indices(model: nn.Module, tokens: mx.array) -> np.ndarray:
     """(layers, B, L, k) expert indices for one forward over ``tokens`` (B, L)."""
     batch, length = tokens.shape
@@ -155,7 +146,7 @@ def routed_indices(model: nn.Module, tokens: mx.array) -> np.ndarray:
     return np.stack(per_layer)
 
 
-def count_windows(indices: np.ndarray, batch: int, tokens: int) -> Window:
+def count_windows(indices: np.ndarray, batch: int, tokens: int) -> schema.RoutingWindow:
     """Unique experts hit by ``batch`` sequences x ``tokens`` consecutive tokens, per layer.
 
     ``indices`` is (layers, S, L, k) for S >= batch sequences; windows tile the sequences
@@ -170,8 +161,9 @@ def count_windows(indices: np.ndarray, batch: int, tokens: int) -> Window:
     if not counts:
         raise BadInput(f"no window of B={batch} x t={tokens} fits {sequences} sequences of {length}")
     values = np.asarray(counts, dtype=float)
-    return Window(batch, tokens, float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else 0.0,
-                  len(values) // layers)
+    return {"batch": batch, "tokens": tokens, "measured_unique": float(values.mean()),  # mean over windows, layers
+            "std_unique": float(values.std(ddof=1)) if len(values) > 1 else 0.0,  # spread across both
+            "windows": len(values) // layers}  # windows counted per layer
 
 
 def routing_document(
@@ -187,28 +179,23 @@ def routing_document(
     return analyse_windows(windows, experts, top_k, tau, gammas)
 
 
-def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
+def analyse_windows(windows: list[schema.RoutingWindow], experts: int, top_k: int, tau: float,
                     gammas: tuple[int, ...] = theory.CANDIDATE_GAMMAS) -> schema.RoutingDocument:
     """Correlations, thresholds and verify-window saturation from counted windows (measured or
-    stored in a results file)."""
+    stored in a results file; their ``uniform_unique`` is recomputed)."""
     rho = theory.sparsity(experts, top_k)
-    batches = sorted({w.batch for w in windows})
+    measured = {(w["batch"], w["tokens"]): w["measured_unique"] for w in windows}
+    batches = sorted({b for b, _ in measured})
     # The same estimator the time-model fit uses on a sweep's counts: both correlations jointly.
-    form = expert_reads.fit_routing({(w.batch, w.tokens): w.measured_unique for w in windows},
+    form = expert_reads.fit_routing(measured,
                                     experts, top_k).form_only()
     correlation, batch_correlation = form.correlation, form.batch_correlation
-    rows: list[schema.RoutingWindow] = []
-    for w in windows:
-        n = w.batch * w.tokens
-        rows.append({
-            "batch": w.batch, "tokens": w.tokens, "measured_unique": w.measured_unique,
-            "std_unique": w.std_unique, "windows": w.windows,
-            "uniform_unique": float(theory.activated_experts(n, experts, top_k)),
-        })
+    rows: list[schema.RoutingWindow] = [
+        {**w, "uniform_unique": float(theory.activated_experts(w["batch"] * w["tokens"], experts, top_k))}
+        for w in windows]
     # A verify window is B sequences x (gamma+1) tokens: measured where the grid has it, else
     # predicted with both anchored forms: B independent sequences act like 1 + c_batch*(B-1)
     # uniform ones, each sequence's gamma+1 consecutive tokens like 1 + c*gamma uniform ones.
-    measured = {(w.batch, w.tokens): w.measured_unique for w in windows}
     saturation: list[schema.Saturation] = []
     for b in batches:
         for g in gammas:
@@ -235,10 +222,8 @@ def analyse_windows(windows: list[Window], experts: int, top_k: int, tau: float,
 
 def reanalyse(document: dict) -> dict:
     """A stored routing document with its fits redone from its counted windows (no new routing)."""
-    windows = [Window(w["batch"], w["tokens"], w["measured_unique"], w["std_unique"], w["windows"])
-               for w in document["windows"]]
     gammas = tuple(sorted({s["gamma"] for s in document["saturation"]})) or theory.CANDIDATE_GAMMAS
-    return {**document, **analyse_windows(windows, document["experts"], document["top_k"],
+    return {**document, **analyse_windows(document["windows"], document["experts"], document["top_k"],
                                           document["tau"], gammas)}
 
 

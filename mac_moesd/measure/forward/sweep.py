@@ -167,11 +167,11 @@ def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab:
 
 def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
     """The routing control of an MoE model's grid; None where there is no switch to count."""
-    if not built.footprint.experts or not routing.switch_modules(built.model):
+    if not built.footprint["experts"] or not routing.switch_modules(built.model):
         return None
-    assert built.footprint.top_k is not None  # set with experts (zoo.expert_shape)
-    return SweepRouting(built.model, parse_routing(cfg.routing), cfg.gather, built.footprint.experts,
-                        built.footprint.top_k, cfg.seed)
+    assert built.footprint["top_k"] is not None  # set with experts (zoo.expert_shape)
+    return SweepRouting(built.model, parse_routing(cfg.routing), cfg.gather, built.footprint["experts"],
+                        built.footprint["top_k"], cfg.seed)
 
 
 def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
@@ -218,8 +218,8 @@ def recorded(kind: str, tokens: int, m: timing.Measurement, budget: timing.Budge
     routing counted, a pipelined one (``pipelined_points``) per forward with its chain length."""
     if kind == "pipelined_points":
         steps = pipelined_steps(tokens, budget)
-        return {**timing.per_launch(m, steps).to_dict(), "steps": steps}
-    return {**m.to_dict(), **stats}
+        return {**timing.per_launch(m, steps), "steps": steps}
+    return {**m, **stats}
 
 
 def entry_header(built: models.Built, context: int, routing_label: str = "model",
@@ -228,7 +228,7 @@ def entry_header(built: models.Built, context: int, routing_label: str = "model"
     return {
         "model": built.source.name, "dtype": built.dtype, "bits": built.bits, "context": context,
         "layers": built.layers, "layers_full": built.layers_full,
-        "vocab": built.config["vocab_size"], "footprint": built.footprint.to_dict(),
+        "vocab": built.config["vocab_size"], "footprint": built.footprint,
         "routing": routing_label, "gather": gather,
     }
 
@@ -387,8 +387,7 @@ def measure_drift(built: models.Built, cfg: SweepConfig, entry: dict, rng,
     vocab = built.config["vocab_size"]
     point = forward_point(built.model, cache, cfg.batches[0], cfg.tokens[0], vocab, control)
     after = timing.measure({key: point}, cfg.budget, rng)[key]
-    before = timing.Measurement.from_dict(entry["points"][key])
-    return {"point": key, **timing.drift(before, after).to_dict()}
+    return {"point": key, **timing.drift(entry["points"][key], after)}
 
 
 # ---- the whole sweep ----
@@ -510,7 +509,7 @@ def measure_reject(cfg, source, store, progress, rng, available_bytes: int | Non
 
     def done(which, m):
         kind, b = which
-        (entry["points"] if kind == "reject" else kept)[point_key(b, cfg.gamma + 1)] = m.to_dict()
+        (entry["points"] if kind == "reject" else kept)[point_key(b, cfg.gamma + 1)] = m
         store.save()
         if kind == "reject":
             progress.advance(f"rejection sampling B={b}")
@@ -559,7 +558,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
     warnings = []
     for entry in entries:
         label = f"{source.name} ({entry['layers']} layers)"
-        measured = [timing.Measurement.from_dict(m) for k, m in entry["points"].items() if k in wanted]
+        measured = [m for k, m in entry["points"].items() if k in wanted]
         warnings += timing.grid_warnings(label, measured)
         drift = entry.get("drift")
         if drift and drift["flagged"]:
@@ -581,7 +580,7 @@ def sweep_document(cfg, source, plan, entries, footprint_full) -> dict:
         "extrapolated": extrapolated,
         "dtype": entries[0]["dtype"],
         "bits": entries[0]["bits"],
-        "footprint": footprint_full.to_dict(),
+        "footprint": footprint_full,
         "slices": [
             {"layers": e["layers"], "points": points_list({k: v for k, v in e["points"].items() if k in wanted},
                                                           e.get("pipelined_points")),

@@ -219,7 +219,7 @@ class Kernels:
             return self.reasons["read"]
         return "; ".join(f"{name}: {self.reasons[name]}" for name in NAMES)
 
-    def describe(self) -> schema.Kernels:
+    def describe(self) -> schema.KernelPaths:
         return {"path": self.path, "note": self.reason,
                 "per_kernel": {n: {"path": self.paths[n], "reason": self.reasons[n]} for n in NAMES}}
 

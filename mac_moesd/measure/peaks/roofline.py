@@ -260,8 +260,8 @@ def timed(cfg: RooflineConfig, rng, points: dict[K, tuple[Callable[..., Any], in
 
 
 def _row(m: timing.Measurement, k: int) -> schema.LaunchTiming:
-    return {"median_s": m.median_s, "cv": m.cv, "repeats": m.repeats, "launches": k,
-            "eval_median_s": m.median_s * k}
+    return {"median_s": m["median_s"], "cv": m["cv"], "repeats": m["repeats"], "launches": k,
+            "eval_median_s": m["median_s"] * k}
 
 
 def read_output_bytes(path: str, size: int) -> int:
@@ -296,7 +296,7 @@ def stream_sweep(k: kernels.Kernels, cfg: RooflineConfig, rng, progress) -> list
             m, launches = measured[op]
             live = launches * out if op == "read" or launches == 1 else 2 * out
             rows.append({"op": op, "bytes": size, "moved_bytes": moved, **_row(m, launches),
-                         "live_output_bytes": live, "gbs": _gbs(moved, m.median_s)})
+                         "live_output_bytes": live, "gbs": _gbs(moved, m["median_s"])})
         progress(f"stream {size // MiB} MiB")
         del a, b, ops  # free this size's arrays before the next size allocates
     return rows
@@ -375,7 +375,7 @@ def gemv_bandwidth(cfg: RooflineConfig, compute_dtype, rng, progress) -> dict[st
         m, launches = timed(cfg, rng, {label: (step, rows * x.itemsize)}, chained=frozenset({label}))[label]
         row = _copies_row(copies)
         out[label] = {**row, "dtype": str(dtype).removeprefix("mlx.core."), **_row(m, launches),
-                      "gbs": _gbs(row["bytes"], m.median_s)}
+                      "gbs": _gbs(row["bytes"], m["median_s"])}
         progress(f"gemv {label}")
         del copies, step
     return out
@@ -389,7 +389,7 @@ def matmul_flops(cfg: RooflineConfig, rng, progress) -> dict[str, schema.MatmulR
         b = mx.random.normal((n, n), dtype=DTYPES[name])
         mx.eval(a, b)
         m, launches = timed(cfg, rng, {name: (lambda i, a=a, b=b: a @ b, a.nbytes)})[name]
-        out[name] = {"n": n, **_row(m, launches), "tflops": 2 * n**3 / m.median_s / 1e12}
+        out[name] = {"n": n, **_row(m, launches), "tflops": 2 * n**3 / m["median_s"] / 1e12}
         progress(f"matmul {name}")
     return out
 
@@ -407,7 +407,7 @@ def fma_flops(k: kernels.Kernels, cfg: RooflineConfig, rng) -> schema.FmaRow | N
     launch = lambda i: k.fma(seed, m_, k_, cfg.fma_iterations)  # noqa: E731
     m, launches = timed(cfg, rng, {"fma": (launch, seed.nbytes)})["fma"]
     flop = kernels.GRID_THREADS * cfg.fma_iterations * 4 * 4 * 2
-    return {**_row(m, launches), "tflops": flop / m.median_s / 1e12}
+    return {**_row(m, launches), "tflops": flop / m["median_s"] / 1e12}
 
 
 def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[schema.QmmRow]:
@@ -431,7 +431,7 @@ def qmm_curve(cfg: RooflineConfig, dtype, rng, progress) -> list[schema.QmmRow]:
         for t in cfg.qmm_tokens:
             m, launches = measured[t]
             rows.append({"bits": bits, "tokens": t, "dtype": str(dtype).removeprefix("mlx.core."),
-                         **_row(m, launches), "tflops": 2 * t * rows_out * cols / m.median_s / 1e12,
+                         **_row(m, launches), "tflops": 2 * t * rows_out * cols / m["median_s"] / 1e12,
                          "weight_bytes": copied["bytes"], "copies": copied["copies"],
                          "distinct_bytes": copied["distinct_bytes"]})
         progress(f"quantized matmul {bits}-bit")

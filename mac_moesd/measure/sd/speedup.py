@@ -33,7 +33,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import mlx.core as mx
@@ -52,7 +52,7 @@ from mac_moesd.units import human_bytes
 from mac_moesd.measure.clock import timing
 from mac_moesd.measure.decoding.acceptance_run import greedy_check, logit_margin, measure_acceptance
 from mac_moesd.measure.decoding.mtp_head import MTPHead
-from mac_moesd.measure.decoding.prompt_lookup import LookupRule
+from mac_moesd.measure.decoding import prompt_lookup
 from mac_moesd.measure.sd.round_parts import RoundParts, lookup_prediction, round_prediction
 from mac_moesd.measure.sd.audit import audit_configuration
 from mac_moesd.measure.decoding.sd_loop import Decoded, Decoder, common_prompt, within
@@ -92,10 +92,10 @@ class SpecConfig:
     max_prompts: int | None = None  # prompts of the set the acceptance pass decodes (None: all)
     rollback: str = "auto"  # rollback.STRATEGIES
     stop_when_decided: bool = False  # a quick run: stop once the CI settles "pays off" or not
-    lookup: LookupRule = LookupRule()  # the n-gram lengths of --draft prompt-lookup
+    lookup: schema.LookupRule = field(default_factory=prompt_lookup.lookup_rule)  # the n-gram lengths of --draft prompt-lookup
 
     @property
-    def lookup_rule(self) -> LookupRule | None:
+    def lookup_rule(self) -> schema.LookupRule | None:
         """The n-gram rule the SD loop drafts with: ``lookup`` with prompt lookup, else None."""
         return self.lookup if self.drafter_kind == "prompt-lookup" else None
 
@@ -317,7 +317,7 @@ class Decoders:
 
     def __init__(self, target, draft, batch: int, prompts: PromptIds, context: int,
                  rng: np.random.Generator, vocab: int, random_tokens: bool = False, rollback: str = "auto",
-                 lookup: LookupRule | None = None):
+                 lookup: schema.LookupRule | None = None):
         self.target, self.draft, self.batch, self.prompts = target, draft, batch, prompts
         self.rollback, self.vocab, self.lookup = rollback, vocab, lookup
         self.random_tokens = vocab if random_tokens else None
@@ -575,13 +575,13 @@ def _lookup_rounds(d: Decoded) -> tuple[list[int], list[int]]:
     return d.proposed, d.widths
 
 
-def lookup_record(rule: LookupRule, decodes: list[Decoded]) -> schema.LookupRecord:
+def lookup_record(rule: schema.LookupRule, decodes: list[Decoded]) -> schema.LookupRecord:
     """What prompt lookup proposed over a run's timed SD decodes: the n-gram lengths, the share of
     (sequence, round)s with a proposal, the mean proposal where there was one, the mean verify
     width (the batch's longest proposal) and the share of rounds that rolled back."""
     proposed = np.array([n for d in decodes for n in _lookup_rounds(d)[0]])
     widths = [w for d in decodes for w in _lookup_rounds(d)[1]]
-    return {**rule.to_dict(), "proposal_rate": float((proposed > 0).mean()),
+    return {**rule, "proposal_rate": float((proposed > 0).mean()),
             "mean_proposal": float(proposed[proposed > 0].mean()) if (proposed > 0).any() else 0.0,
             "mean_width": float(np.mean(widths)),
             "rolled_back_share": sum(d.rounds_rolled_back for d in decodes) / len(widths)}
@@ -755,7 +755,7 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         # The resolved name (a folder's, not the path given), as keys use it; or the kind's name.
         "draft": draft.source.name if draft is not None else cfg.draft,
         "drafter_kind": cfg.drafter_kind,
-        **({"lookup": cfg.lookup.to_dict()} if cfg.drafter_kind == "prompt-lookup" else {}),
+        **({"lookup": cfg.lookup} if cfg.drafter_kind == "prompt-lookup" else {}),
         # With prompts, the prompt tokens prefilled, averaged over the runs (each run has its own).
         "context": context,
         "new_tokens": cfg.new_tokens, "verify_tokens": "gamma+1",
