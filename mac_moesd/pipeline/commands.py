@@ -20,8 +20,7 @@ from mac_moesd.pipeline import selftest
 from mac_moesd.pipeline import estimate, pair_stages, plans, stages
 from mac_moesd.pipeline.runner import Outcome
 from mac_moesd.progress import Progress
-from mac_moesd.results import (ResultsBusy, ResultsStore, WriterLock, keys, load_results, spec_key, validate,
-                               write_atomic)
+from mac_moesd.results import ResultsBusy, ResultsStore, WriterLock, load_results, validate, write_atomic
 
 __all__ = ["RunOptions", "RunResult", "budget_from", "check_machine", "cluster_sweep", "compare", "dry_run",
            "fit_results", "info", "open_store", "report", "run", "run_roofline", "run_routing", "run_serving",
@@ -118,9 +117,7 @@ def run_roofline(quick: bool, sizes_mib: tuple[float, ...] | None, max_size_mib:
     progress.expect(roofline.progress_steps(cfg))
     memory.start_stage()
     document = roofline.run_roofline(cfg, machine.to_dict()["spec"], machine.backend, progress.advance,
-                                     usable_bytes=usable.usable_bytes)
-    store.data["roofline"] = document
-    store.save()
+                                     usable_bytes=usable.usable_bytes, store=store)
     if document["kernels"]["path"] != "metal":
         warn(document["kernels"]["note"])
     return _stored(document, meta, store)
@@ -131,8 +128,7 @@ def run_routing(cfg: routing.RoutingConfig, memory_limit_gib: float | None, out:
     usable = usable_memory(memory_limit_gib)
     machine, meta, store = open_store(out, warn)
     with hardware.measuring_stage():
-        document = routing.run_routing(cfg, usable.usable_bytes)
-    store.put("routing", keys.routing_key(document["model"], document["text"]), document)
+        document = routing.run_routing(cfg, usable.usable_bytes, store)
     return _stored(document, meta, store)
 
 
@@ -195,10 +191,8 @@ def run_spec(cfg: speedup.SpecConfig, memory_limit_gib: float | None, out: Path 
     name = sources.target.name
     predictor = stored_predictor(store, cfg.target, name, warn, cfg.drafter_kind)
     with hardware.measuring_stage():
-        document = speedup.run_spec(cfg, predictor, usable.usable_bytes, fit.sweep_plain_step(store.data, name), sources)
-    key = spec_key(document["target"], document["draft"], cfg.mode,
-                   document["prompts"]["name"] if document["prompts"]["count"] else None)
-    store.put("spec", key, document)
+        document = speedup.run_spec(cfg, predictor, usable.usable_bytes, fit.sweep_plain_step(store.data, name), sources,
+                                    store)
     return {**document, "meta": meta}
 
 

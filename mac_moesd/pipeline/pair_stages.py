@@ -154,7 +154,7 @@ def _routing(plan: PairPlan, prompt_set: str) -> Stage:
         trace.parent.mkdir(exist_ok=True)
         cfg = routing.RoutingConfig(model=plan.target_arg, prompts=prompt_set, save_trace=trace,
                                     batches=plan.base.routing_batches, length=plan.routing_length)
-        ctx.store.put("routing", key, routing.run_routing(cfg, ctx.usable_bytes))
+        routing.run_routing(cfg, ctx.usable_bytes, ctx.store)
 
     return Stage(label, work, done=lambda data: key in data.get("routing", {}),
                  estimate=lambda sizing: estimate.routing_stage(plan.base, plan.target_arg, sizing, label,
@@ -194,10 +194,9 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
         fitted = data.get("fits", {}).get(plan.target)
         if fitted is None:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
-        document = speedup.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind), ctx.usable_bytes,
-                                 fit.sweep_plain_step(as_swept(data, plan), plan.target))
-        ctx.store.put("spec", key, document)
-        speedup.require_valid(document)
+        speedup.require_valid(speedup.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind),
+                                               ctx.usable_bytes, fit.sweep_plain_step(as_swept(data, plan), plan.target),
+                                               store=ctx.store))
 
     label = f"spec {plan.target} on {prompt_set}" + {"prompt-lookup": " by prompt lookup",
                                                       "mtp-head": " by an MTP head"}.get(kind, "")

@@ -32,9 +32,8 @@ def roofline_stage(plan: Plan) -> Stage:
     def work(ctx: Context) -> None:
         cfg, shrunk = roofline.fit_memory(plan.roofline, ctx.usable_bytes)
         memory.start_stage()
-        ctx.store.data["roofline"] = roofline.run_roofline(cfg, ctx.chip_spec, ctx.backend, ctx.progress.advance,
-                                                           usable_bytes=ctx.usable_bytes, shrunk=shrunk)
-        ctx.store.save()
+        roofline.run_roofline(cfg, ctx.chip_spec, ctx.backend, ctx.progress.advance,
+                              usable_bytes=ctx.usable_bytes, shrunk=shrunk, store=ctx.store)
 
     # run_roofline sets the device state itself, to record it in its document
     return Stage("roofline", work, done=lambda data: "roofline" in data,
@@ -58,8 +57,7 @@ def _routing(plan: Plan, name: str) -> Stage:
     """Routing of random ids through ``name``, kept once any routing of it is in the results."""
     def work(ctx: Context) -> None:
         cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
-        document = routing.run_routing(cfg, ctx.usable_bytes)
-        ctx.store.put("routing", keys.routing_key(document["model"], document["text"]), document)
+        routing.run_routing(cfg, ctx.usable_bytes, ctx.store)
 
     label = f"routing {name}"
     return Stage(label, work, done=lambda data: any(keys.routing_key_model(k) == name for k in data.get("routing", {})),
@@ -95,10 +93,8 @@ def _spec(plan: Plan) -> Stage:
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
                               stop_when_decided=plan.spec_stop_when_decided)
-        document = speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
-                                 fit.sweep_plain_step(data, target))
-        ctx.store.put("spec", key, document)
-        speedup.require_valid(document)
+        speedup.require_valid(speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
+                                               fit.sweep_plain_step(data, target), store=ctx.store))
 
     return Stage(f"spec {target}", work, done=lambda data: speedup.stored_and_valid(data, key),
                  estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, draft))

@@ -7,10 +7,12 @@ models in a key are their resolved names (a folder's name, not the path given).
 
 from __future__ import annotations
 
+from mac_moesd.results import schema
+
 __all__ = [
     "DRAFTER_KINDS", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
-    "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_key", "routing_key_model",
-    "serving_key", "spec_key", "sweep_key",
+    "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_document_key", "routing_key",
+    "routing_key_model", "serving_key", "spec_document_key", "spec_key", "sweep_key",
 ]
 
 # The drafters --draft names without a model (their names in results keys); any other name is a
@@ -67,6 +69,11 @@ def routing_key(model: str, text: str) -> str:
     return f"{model}|{text}"
 
 
+def routing_document_key(document: schema.RoutingDocument) -> str:
+    """The ``routing_key`` a measured routing document is stored under: its model and token source."""
+    return routing_key(document["model"], document["text"])
+
+
 def routing_key_model(key: str) -> str:
     """The model of a ``routing_key``."""
     return key.split("|", 1)[0]
@@ -77,6 +84,13 @@ def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) 
     command that measures or reads a pair's SD (spec, run, serving, the report) finds the same
     document."""
     return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
+
+
+def spec_document_key(document: schema.SpecDocument, mode: str) -> str:
+    """The ``spec_key`` a measured SD document is stored under: its resolved target and drafter,
+    the mode it ran in, and the prompt set it decoded (none for random ids)."""
+    prompts = document["prompts"]
+    return spec_key(document["target"], document["draft"], mode, prompts["name"] if prompts.get("count") else None)
 
 
 def pair_key(target: str, draft: str | None) -> str:

@@ -225,5 +225,10 @@ class ResultsStore:
         self.section(section)[key] = value
         self.save()
 
+    def put_section(self, section: str, value: Any) -> None:
+        """A document that is a whole section (the roofline: one per machine)."""
+        self.data[section] = value
+        self.save()
+
     def save(self) -> None:
         write_atomic(self.path, self.data)

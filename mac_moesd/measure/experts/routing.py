@@ -29,7 +29,7 @@ from mac_moesd.machine import memory
 from mac_moesd.units import human_bytes
 from mac_moesd.analysis import expert_reads, theory
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.results import keys, schema
+from mac_moesd.results import ResultsStore, keys, schema
 from mac_moesd.measure.experts import routing_trace
 from mac_moesd.measure.experts.gather import check_sortable, sorted_switch_call
 
@@ -242,8 +242,10 @@ class RoutingConfig:
     save_trace: Path | None = None  # also write the routed indices there (routing_trace.py)
 
 
-def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.RoutingDocument:
-    """Route the token source through the model and count experts; the routing document."""
+def run_routing(cfg: RoutingConfig, available_bytes: int | None,
+                store: ResultsStore | None = None) -> schema.RoutingDocument:
+    """Route the token source through the model and count experts; the routing document, saved
+    into ``store`` where one is given."""
     from mac_moesd.inputs import models
 
     if min(cfg.batches) < 1 or min(cfg.tokens) < 1 or cfg.length < max(cfg.tokens):
@@ -309,6 +311,8 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None) -> schema.Routi
     })
     del built
     memory.release()
+    if store is not None:
+        store.put("routing", keys.routing_document_key(document), document)
     return document
 
 

@@ -30,7 +30,7 @@ from mac_moesd.measure.clock import timing
 from mac_moesd.measure.peaks import kernels
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput
-from mac_moesd.results import schema
+from mac_moesd.results import ResultsStore, schema
 from mac_moesd.units import MiB, gib
 
 __all__ = ["RooflineConfig", "fit_memory", "knee_tokens", "progress_steps", "run_config", "run_roofline",
@@ -471,11 +471,12 @@ def ceiling_of(bandwidth: dict[str, float], gemv: dict[str, schema.GemvRow], pla
 
 def run_roofline(
     cfg: RooflineConfig, spec: schema.ChipSpec | None, backend: str, progress=lambda label: None, seed: int = 0,
-    usable_bytes: int | None = None, shrunk: schema.Shrunk | None = None,
+    usable_bytes: int | None = None, shrunk: schema.Shrunk | None = None, store: ResultsStore | None = None,
 ) -> schema.Roofline:
-    """Measure everything and return the roofline document of docs/design.md §7.4; its memory
-    entry is the estimate beside the measured peak (``memory.record``) and the wired limit, and
-    ``shrunk`` what ``fit_memory`` changed to fit (None: ran as configured)."""
+    """Measure everything and return the roofline document of docs/design.md §7.4, saved into
+    ``store`` where one is given; its memory entry is the estimate beside the measured peak
+    (``memory.record``) and the wired limit, and ``shrunk`` what ``fit_memory`` changed to fit
+    (None: ran as configured)."""
     rng = random.Random(seed)
     mx.random.seed(seed)
     compute_dtype = mx.float16 if backend != "cpu" else mx.float32
@@ -525,6 +526,8 @@ def run_roofline(
         "spec": spec,
         "fraction_of_spec": _against_spec(spec, ceiling, flops.get("fma_float32", flops.get("float32"))),
     }
+    if store is not None:
+        store.put_section("roofline", document)
     return document
 
 

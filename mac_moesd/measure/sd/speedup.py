@@ -44,7 +44,7 @@ from mlx_lm.sample_utils import make_sampler
 from mac_moesd.analysis import acceptance, theory
 from mac_moesd.analysis.spec_runs import decoding_context, feeds_last_draft, measured_acceptance, run_alpha
 from mac_moesd.errors import BadInput, MacMoesdError
-from mac_moesd.results import keys, schema
+from mac_moesd.results import ResultsStore, keys, schema
 from mac_moesd.inputs import prompts as prompt_sets
 from mac_moesd.inputs import zoo
 from mac_moesd.machine import memory
@@ -705,8 +705,9 @@ class ConfigurationTimer:
 
 def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None,
              sweep_step: Callable[[int], float | None] | None = None,
-             sources: Sources | None = None) -> schema.SpecDocument:
-    """Measure every (batch, temperature, gamma, alpha); ``predictor(batch, gamma, alpha,
+             sources: Sources | None = None, store: ResultsStore | None = None) -> schema.SpecDocument:
+    """Measure every (batch, temperature, gamma, alpha), the document saved into ``store`` where
+    one is given (invalid or not: ``require_valid`` refuses it after); ``predictor(batch, gamma, alpha,
     self_draft, context)`` gives the fitted model's speedup for the same configuration at this
     run's context, or None; ``sweep_step(batch)`` the sweep's pipelined T_T(B,1), or None. A
     target and drafter too big for ``available_bytes`` are measured on slices (``plan_models``),
@@ -776,6 +777,8 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
         entry["greedy_check"]["valid"] for entry in document["acceptance"] if "greedy_check" in entry))
     del target, draft
     memory.release()
+    if store is not None:
+        store.put("spec", keys.spec_document_key(document, cfg.mode), document)
     return document
 
 
