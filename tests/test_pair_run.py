@@ -100,11 +100,15 @@ def test_run_pair_of_an_unknown_model_is_one_line(tmp_path):
     assert "nowhere' is not a directory" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_dry_run_of_a_pair(own_pair):
+def test_dry_run_of_a_pair(own_pair, monkeypatch):
     target, draft = own_pair
+    resolved, resolve = [], models.resolve
+    monkeypatch.setattr(models, "resolve", lambda model: resolved.append(model) or resolve(model))
     result = CliRunner().invoke(cli, ["run", "--quick", "--dry-run", "--target", str(target), "--draft",
                                       str(draft), "--chip", "Apple M1", "--memory", "8", "--json"])
     assert result.exit_code == 0, result.stderr
+    assert resolved == [str(target), str(draft)]  # once each, when the plan is made; the stages take them
+    monkeypatch.undo()
     doc = json.loads(result.stdout)
     # The pair's own stages, in the run's order and labels: routing on each prompt set before the
     # sweep that replays it, then SD on each prompt set.
@@ -359,11 +363,15 @@ def test_run_on_the_trained_pair_writes_the_pair_report(tmp_path, tiny_grid, tin
 
 @pytest.mark.slow
 def test_a_drafter_model_prompt_lookup_and_an_mtp_head_are_measured_on_the_same_prompts_and_compared(
-        tmp_path, tiny_grid, tiny_pair):
+        tmp_path, tiny_grid, tiny_pair, monkeypatch):
     target, draft = tiny_pair
+    resolved, resolve = [], models.resolve
+    monkeypatch.setattr(models, "resolve", lambda model: resolved.append(model) or resolve(model))
     result, folder = run_pair_cli(tmp_path, target, f"{draft},prompt-lookup,mtp-head", "--prompts", "edit",
                                   "--alpha", "0.8")
     assert result.exit_code == 0, result.stderr
+    # Each model resolved once, when the plans were made: every stage of all three drafters took them.
+    assert resolved == [str(target), str(draft)]
     data = json.loads((folder / "results.json").read_text())
     md = (folder / "report.md").read_text()
     assert set(data["pairs"]) == {"target|draft", "target|prompt-lookup", "target|mtp-head"}

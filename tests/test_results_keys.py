@@ -25,6 +25,9 @@ def test_worked_keys():
     assert keys.reject_key(4096, 4) == "V4096|gamma4"
     assert keys.routing_key("tiny-moe", keys.prompt_set_text("code")) == "tiny-moe|prompt set code"
     assert keys.routing_key_model(keys.routing_key("a-b", "random token ids")) == "a-b"
+    assert keys.sweep_key_variant(keys.sweep_key("m", "q4", 512, 2)) == ("model", "mlx-lm")
+    assert keys.sweep_key_variant(keys.sweep_key("m", "q4", 512, 2, routing="trace:t.npz@ab", gather="sorted")) == (
+        "trace:t.npz@ab", "sorted")
     assert keys.spec_key("t", "d", "real") == "t|d|real"
     assert keys.pair_spec_key("t", keys.MTP_HEAD, keys.drafter_kind(keys.MTP_HEAD), "chat") == "t|mtp-head|emulated-acceptance|chat"
     assert keys.pair_spec_key("t", "d", keys.drafter_kind("d"), "chat") == "t|d|real|chat"
@@ -52,7 +55,7 @@ def test_recorded_keys_are_the_keys_module_s(path):
 
 
 # A key's shape: a formatted field next to the "|" separator, a split on it, or a point's "x".
-KEY_BUILDING = re.compile(r'''f"[^"\n]*(\}\||\|\{)|split\("\|"|"\|"\.join|\}x\{|f"V\{|startswith\(f"[^"\n]*\|''')
+KEY_BUILDING = re.compile(r'''f"[^"\n]*(\}\||\|\{)|split\("\|"|partition\("\||"\|\w+=|"\|"\.join|\}x\{|f"V\{|startswith\(f"[^"\n]*\|''')
 
 
 def test_no_key_is_built_or_parsed_outside_results():

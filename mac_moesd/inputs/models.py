@@ -37,7 +37,7 @@ from mac_moesd.inputs.trees import flatten
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import schema
 
-__all__ = ["Built", "ModelSource", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
+__all__ = ["Built", "ModelSource", "Sources", "build", "footprint", "mlx_lm_quiet", "quantized_dtype",
            "resolve", "stored_format", "weights_folder"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -55,6 +55,15 @@ class ModelSource:
     @property
     def has_weights(self) -> bool:
         return self.weights_dir is not None
+
+
+@dataclass(frozen=True)
+class Sources:
+    """A configuration's target and drafter model, resolved once per command (``resolve``) and
+    passed down, so every step measures the same folders and names them alike."""
+
+    target: ModelSource
+    draft: ModelSource | None  # None where no drafter model drafts (prompt lookup, an MTP head)
 
 
 def resolve(model: str) -> ModelSource:

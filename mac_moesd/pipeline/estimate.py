@@ -159,13 +159,15 @@ def materialise_seconds(built, rates: Rates) -> float:
 # ---- stages ----
 
 
-def sweep_stage(plan: Plan, name: str, sizing: Sizing) -> dict:
-    """The sweep of ``name`` as ``sweep.run_sweep`` runs it: its slices, peak and duration."""
+def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources | None = None) -> dict:
+    """The sweep of ``name`` as ``sweep.run_sweep`` runs it: its slices, peak and duration
+    (``sources``: ``name`` and its drafter as the command resolved them; None: resolved here)."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
                             dtype=dtype, bits=plan.bits, budget=plan.budget,
                             draft=plan.draft if name in plan.moe else None)
-    source = models.resolve(name)
+    sources = sources or sweep.resolve_sources(cfg)
+    source = sources.target
     cfg, _ = sweep.timed_config(source, cfg)  # as the sweep will run it
     slices = sweep.plan_layers(source, cfg, usable)
     peak, seconds, parts = 0, 0.0, []
@@ -185,8 +187,9 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing) -> dict:
         parts.append({"layers": layers, "peak_bytes": need["peak_bytes"], "phase": need["phase"]})
     models_used = [name]
     if cfg.draft:
+        assert sources.draft is not None  # resolved with cfg.draft
         draft_cfg = sweep.draft_config(cfg)
-        draft = models.build(models.resolve(cfg.draft), dtype, plan.bits)
+        draft = models.build(sources.draft, dtype, plan.bits)
         need = sweep.estimate(draft, draft_cfg)
         peak = max(peak, need["peak_bytes"])
         seconds += materialise_seconds(draft, rates) + prefill_seconds(draft, rates, max(plan.batches), plan.context)
@@ -206,11 +209,12 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing) -> dict:
             "context": plan.context, "slices": parts, "peak_bytes": peak, "eta_s": seconds}
 
 
-def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str,
-                  prompts: str | None = None, length: int | None = None) -> dict:
-    """Routing on random ids, or on a prompt set (one sequence of ``length`` tokens per prompt)."""
+def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, prompts: str | None = None,
+                  length: int | None = None, source: models.ModelSource | None = None) -> dict:
+    """Routing on random ids, or on a prompt set (one sequence of ``length`` tokens per prompt);
+    ``source``: ``name`` as the command resolved it (None: resolved here)."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
-    source = models.resolve(name)
+    source = source or models.resolve(name)
     cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
     if length:
         cfg = replace(cfg, length=length)
@@ -294,10 +298,10 @@ def pair_spec_stage(pair: PairPlan, prompt_set: str, sizing: Sizing) -> dict:
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     cfg = pair.spec_config(prompt_set)
     modelless = pair.drafter_kind != "model"  # prompt lookup, or an MTP head on the target
-    ids = speedup.prompt_ids(cfg, models.resolve(pair.target_arg),
-                          None if modelless else models.resolve(pair.draft_arg)).ids
+    sources = pair.spec_sources
+    ids = speedup.prompt_ids(cfg, sources.target, sources.draft).ids
     assert ids is not None  # the prompts are a set (spec_config), so random ids are refused
-    t, d, need = speedup.plan_models(cfg, usable, dtype, context=max(map(len, ids)))
+    t, d, need = speedup.plan_models(cfg, usable, dtype, context=max(map(len, ids)), sources=sources)
     if t.layers < t.layers_full:
         raise MacMoesdError(f"{pair.target} and its drafter fit only as slices of their layers, which a "
                             "real pair's SD run refuses")

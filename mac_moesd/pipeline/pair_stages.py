@@ -120,19 +120,18 @@ def as_swept(data: dict, plan: PairPlan) -> dict:
     record = data.get("pairs", {}).get(pair_key(plan.target, plan.draft), {}).get("sweep_routing")
     if record is None:
         return data
-    wanted = "" if record["key"] == "model" else record["key"]
-
     def kept(key: str, entry: dict) -> bool:
-        return entry["model"] != plan.target or ("|gather=" not in key and key.partition("|routing=")[2] == wanted)
+        return entry["model"] != plan.target or keys.sweep_key_variant(key) == (record["key"], "mlx-lm")
 
     return {**data, "sweeps": {k: e for k, e in data.get("sweeps", {}).items() if kept(k, e)}}
 
 
 def record_pair(store: ResultsStore, plan: PairPlan) -> None:
     """What this pair run measures, for the report's first lines (before any stage runs)."""
-    stored = {"target": models.stored_format(models.resolve(plan.target_arg))}
-    if plan.drafter_kind == "model":
-        stored["draft"] = models.stored_format(models.resolve(plan.draft_arg))
+    stored = {"target": models.stored_format(plan.resolved.target)}
+    draft = plan.spec_sources.draft
+    if draft is not None:
+        stored["draft"] = models.stored_format(draft)
     store.put("pairs", pair_key(plan.target, plan.draft), {
         "target": plan.target, "draft": plan.draft, "drafter_kind": plan.drafter_kind,
         "target_arg": plan.target_arg, "draft_arg": plan.draft_arg, "found": plan.found,
@@ -154,11 +153,12 @@ def _routing(plan: PairPlan, prompt_set: str) -> Stage:
         trace.parent.mkdir(exist_ok=True)
         cfg = routing.RoutingConfig(model=plan.target_arg, prompts=prompt_set, save_trace=trace,
                                     batches=plan.base.routing_batches, length=plan.routing_length)
-        routing.run_routing(cfg, ctx.usable_bytes, ctx.store)
+        routing.run_routing(cfg, ctx.usable_bytes, ctx.store, plan.resolved.target)
 
     return Stage(label, work, done=lambda data: key in data.get("routing", {}),
                  estimate=lambda sizing: estimate.routing_stage(plan.base, plan.target_arg, sizing, label,
-                                                                prompt_set, plan.routing_length),
+                                                                prompt_set, plan.routing_length,
+                                                                plan.resolved.target),
                  models=(plan.target_arg,))
 
 
@@ -170,10 +170,11 @@ def _sweep(plan: PairPlan, drafters: tuple[str, ...] = ()) -> Stage:
     def work(ctx: Context) -> None:
         record = sweep_routing(ctx.store, plan, drafters)
         cfg = replace(sweep_config(plan.base, plan.target_arg), routing=record["routing"])
-        sweep.run_sweep(cfg, ctx.store, ctx.usable_bytes, ctx.progress)
+        sweep.run_sweep(cfg, ctx.store, ctx.usable_bytes, ctx.progress, sources=plan.resolved)
 
     return Stage(label, work, models=(plan.target_arg,),
-                 estimate=lambda sizing: {**estimate.sweep_stage(plan.base, plan.target_arg, sizing), "stage": label})
+                 estimate=lambda sizing: {**estimate.sweep_stage(plan.base, plan.target_arg, sizing, plan.resolved),
+                                         "stage": label})
 
 
 def fit_target(plan: PairPlan, store: ResultsStore) -> None:
@@ -196,7 +197,7 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
         speedup.require_valid(speedup.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind),
                                                ctx.usable_bytes, fit.sweep_plain_step(as_swept(data, plan), plan.target),
-                                               store=ctx.store))
+                                               plan.spec_sources, ctx.store))
 
     label = f"spec {plan.target} on {prompt_set}" + {"prompt-lookup": " by prompt lookup",
                                                       "mtp-head": " by an MTP head"}.get(kind, "")
@@ -213,11 +214,12 @@ def _serving(plan: PairPlan, template) -> Stage:
     key = pair_key(plan.target, plan.draft)
     return Stage(f"serving {plan.target}",
                  lambda ctx: serving_stage.pair_stage(template, plan.target_arg, plan.draft_arg, plan.prompt_sets,
-                                                      ctx.store, ctx.backend, ctx.progress.advance),
+                                                      ctx.store, ctx.backend, ctx.progress.advance,
+                                                      plan.spec_sources),
                  done=lambda data: bool(data.get("serving", {}).get(key, {}).get("complete")),
                  estimate=lambda sizing: serving_stage.dry_run_stage(
                      template, plan.target_arg, plan.draft_arg, plan.prompt_sets, sizing.backend,
-                     sizing.rates.bandwidth_bytes_s),
+                     sizing.rates.bandwidth_bytes_s, plan.spec_sources),
                  models=(plan.target_arg, plan.draft_arg))
 
 

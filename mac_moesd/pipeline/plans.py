@@ -110,6 +110,19 @@ class PairPlan:
     found: str = "given on the command line"
     max_prompts: int | None = None  # prompts per set the acceptance pass decodes (None: all)
     alpha: float = theory.DEFAULT_ALPHA  # the acceptance an MTP head's runs impose (run --alpha)
+    sources: models.Sources | None = None  # the target and the run's drafter model, as pair_plans resolved them
+
+    @property
+    def resolved(self) -> models.Sources:
+        """The target and the run's drafter model as found once, when the plan was made: the
+        stages measure these, never the arguments again."""
+        assert self.sources is not None, "a pair plan made by pair_plans has its models resolved"
+        return self.sources
+
+    @property
+    def spec_sources(self) -> models.Sources:
+        """What SD drafts with: the run's drafter model, or none for prompt lookup and an MTP head."""
+        return models.Sources(self.resolved.target, self.resolved.draft if self.drafter_kind == "model" else None)
 
     @property
     def target_arg(self) -> str:
@@ -142,7 +155,8 @@ class PairPlan:
     @property
     def draft_model(self) -> str | None:
         """The resolved name of the run's drafter model (the fit's T_D), or None without one."""
-        return models.resolve(self.base.draft).name if self.base.draft else None
+        draft = self.resolved.draft
+        return draft.name if draft is not None else None
 
 
 def pair_plan(backend: str, quick: bool, target: str, draft: str,
@@ -185,7 +199,8 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
     # a built-in set); the timed runs still cycle through all of them.
     names = [draft_source.name if draft_source and d not in DRAFTER_KINDS else d for d in dict.fromkeys(drafts)]
     return [PairPlan(base, target_source.name, name, tuple(prompt_sets), found=found,
-                     max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha) for name in names]
+                     max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha,
+                     sources=models.Sources(target_source, draft_source)) for name in names]
 
 
 def fits_in_memory(plan: Plan, usable_bytes: int) -> Callable[[str, str], str | None]:

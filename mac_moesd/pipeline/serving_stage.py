@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import httpx
 
@@ -21,6 +21,9 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
 from mac_moesd.measure.server import sd_counters, server_process, serving
 from mac_moesd.results import ResultsStore, keys, load_results
+
+if TYPE_CHECKING:
+    from mac_moesd.inputs.models import Sources
 
 __all__ = ["DEFAULT_CONCURRENCY", "ServingConfig", "progress_steps", "run_serving", "validate"]
 
@@ -211,8 +214,10 @@ def progress_steps(cfg: ServingConfig) -> int:
 
 
 def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
-                progress: Callable[[str], None] = lambda label: None) -> dict[str, Any]:
-    """Measure every leg into ``store`` (section ``serving``) and return the serving document."""
+                progress: Callable[[str], None] = lambda label: None,
+                sources: Sources | None = None) -> dict[str, Any]:
+    """Measure every leg into ``store`` (section ``serving``) and return the serving document.
+    ``sources``: target and drafter as the command resolved them (None: resolved here)."""
     validate(cfg)
     folder = store.path.parent
     notes = []
@@ -225,8 +230,9 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
     if cfg.target:
         from mac_moesd.inputs import models
 
-        target_name = models.resolve(cfg.target).name
-        draft_name = models.resolve(cfg.draft).name if cfg.draft else None
+        sources = sources or models.Sources(models.resolve(cfg.target), models.resolve(cfg.draft) if cfg.draft else None)
+        target_name = sources.target.name
+        draft_name = sources.draft.name if sources.draft else None
     if not cfg.urls:
         assert cfg.target is not None  # launching servers needs a target (validate)
         target_folder = server_process.served_folder(cfg.target)
@@ -365,36 +371,38 @@ def random_weights_stage() -> NoReturn:
 
 
 def pair_stage(template: ServingConfig, target: str, draft: str, prompt_sets: tuple[str, ...],
-               store: ResultsStore, backend: str, advance: Callable[[str], None]) -> None:
-    """The serving stage of a pair run: ``template`` on the pair and its prompt sets (a complete
-    one already in the results is kept by the run: ``pipeline.pair_stages``)."""
+               store: ResultsStore, backend: str, advance: Callable[[str], None], sources: Sources) -> None:
+    """The serving stage of a pair run: ``template`` on the pair (as given, and as the run
+    resolved it) and its prompt sets (a complete one already in the results is kept by the run:
+    ``pipeline.pair_stages``)."""
     from dataclasses import replace
 
-    run_serving(replace(template, target=target, draft=draft, prompts=prompt_sets), store, backend, advance)
+    run_serving(replace(template, target=target, draft=draft, prompts=prompt_sets), store, backend, advance,
+                sources)
 
 
 def dry_run_stage(template: ServingConfig, target: str, draft: str, prompt_sets: tuple[str, ...],
-                  backend: str, bandwidth_bytes_s: float | None) -> dict:
+                  backend: str, bandwidth_bytes_s: float | None, sources: Sources) -> dict:
     """The serving stage's peak memory and duration, allocating nothing: target and drafter
     weights (float32 on the CPU backend, as served there) and both models' KV caches for the
     largest concurrency at the prompts' length plus the generated tokens (in mlx-lm's 256-token
     steps); the legs' warm-ups and windows, and each server's start and weight load."""
-    from mac_moesd.inputs import models
     from mac_moesd.machine import memory
 
     weights, kv = 0, 0
     slots = -(-(prompt_tokens_estimate(prompt_sets) + template.tokens) // memory.KV_STEP) * memory.KV_STEP
-    for name in (target, draft):
+    assert sources.draft is not None  # a served pair has a drafter model
+    for name, source in ((target, sources.target), (draft, sources.draft)):
         folder = server_process.served_folder(name)
         widen = 2 if backend == "cpu" and server_process.stored_dtypes(folder) & {"F16", "BF16"} else 1
         weights += widen * sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
-        config = models.resolve(name).config
+        config = source.config
         dtype_bytes = 4 if backend == "cpu" else 2
         kv += memory.kv_bytes_per_slot(config, dtype_bytes) * config["num_hidden_layers"] * slots
     peak = weights + kv * max(template.concurrency)
     legs = 2 * len(prompt_sets) * len(template.concurrency)
     load = 2 * weights / bandwidth_bytes_s if bandwidth_bytes_s else 0.0
-    return {"stage": f"serving {models.resolve(target).name}", "models": [target, draft], "peak_bytes": int(peak),
+    return {"stage": f"serving {sources.target.name}", "models": [target, draft], "peak_bytes": int(peak),
             "eta_s": legs * (template.warmup_s + template.window_s) + 2 * SERVER_START_S + load,
             "parts": {"weights": int(weights), "kv": int(kv * max(template.concurrency))}}
 

@@ -12,7 +12,7 @@ from mac_moesd.results import schema
 __all__ = [
     "DRAFTER_KINDS", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
     "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_document_key", "routing_key",
-    "routing_key_model", "serving_key", "spec_document_key", "spec_key", "sweep_key",
+    "routing_key_model", "serving_key", "spec_document_key", "spec_key", "sweep_key", "sweep_key_variant",
 ]
 
 # The drafters --draft names without a model (their names in results keys); any other name is a
@@ -52,6 +52,13 @@ def sweep_key(model: str, weight_format: str, context: int, layers: int, routing
     if gather != "mlx-lm":
         key += f"|gather={gather}"
     return key
+
+
+def sweep_key_variant(key: str) -> tuple[str, str]:
+    """The routing and the gather a ``sweep_key`` was made with (``"model"`` and ``"mlx-lm"``
+    where it names none)."""
+    head, _, gather = key.partition("|gather=")
+    return head.partition("|routing=")[2] or "model", gather or "mlx-lm"
 
 
 def reject_key(vocab: int, gamma: int) -> str:

@@ -34,7 +34,7 @@ from mac_moesd.inputs import models
 from mac_moesd.machine import hardware, memory, metadata
 from mac_moesd.measure.clock import timing
 from mac_moesd.measure.cluster import collectives, sharding
-from mac_moesd.measure.forward.sweep import SweepConfig, entry_key, run_sweep
+from mac_moesd.measure.forward.sweep import SweepConfig, entry_key, resolve_sources, run_sweep
 from mac_moesd.progress import Progress
 from mac_moesd.measure.clock.watchdog import Watchdog
 from mac_moesd.results import ResultsStore, point_key, schema
@@ -304,10 +304,11 @@ def _measure(cluster: Cluster, cfg: SweepConfig, out, memory_limit_bytes, progre
     agreed = None if usable is None else -cluster.largest([-usable])[0]
     sharded_by: dict = {}
     build = sharded_builder(cluster, sharded_by)
-    source = models.resolve(cfg.model)
+    sources = resolve_sources(cfg)
     with timing.synchronised(cluster), hardware.measuring_stage():
-        document = run_sweep(cfg, store, agreed, progress, build=build)
-        comm = measure_communication(cfg, store, cluster, build, source, random.Random(cfg.seed + 1), progress)
+        document = run_sweep(cfg, store, agreed, progress, build=build, sources=sources)
+        comm = measure_communication(cfg, store, cluster, build, sources.target, random.Random(cfg.seed + 1),
+                                     progress)
     if cluster.rank != 0:
         return None
     document.update(cluster.describe())

@@ -11,10 +11,11 @@ whose call is no longer mlx-lm 0.32's ``(x, indices)`` is refused before any swa
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +33,9 @@ from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import ResultsStore, keys, schema
 from mac_moesd.measure.experts import routing_trace
 from mac_moesd.measure.experts.gather import check_sortable, sorted_switch_call
+
+if TYPE_CHECKING:
+    from mac_moesd.inputs.models import ModelSource
 
 __all__ = ["SwitchControl", "analyse_windows", "capture_routing", "controlled_switches", "count_windows",
            "reanalyse", "routing_document"]
@@ -242,10 +246,11 @@ class RoutingConfig:
     save_trace: Path | None = None  # also write the routed indices there (routing_trace.py)
 
 
-def run_routing(cfg: RoutingConfig, available_bytes: int | None,
-                store: ResultsStore | None = None) -> schema.RoutingDocument:
+def run_routing(cfg: RoutingConfig, available_bytes: int | None, store: ResultsStore | None = None,
+                source: ModelSource | None = None) -> schema.RoutingDocument:
     """Route the token source through the model and count experts; the routing document, saved
-    into ``store`` where one is given."""
+    into ``store`` where one is given. ``source``: the model as the command resolved it (None:
+    ``cfg.model`` resolved here)."""
     from mac_moesd.inputs import models
 
     if min(cfg.batches) < 1 or min(cfg.tokens) < 1 or cfg.length < max(cfg.tokens):
@@ -254,7 +259,7 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None,
         routing_trace.check_writable(cfg.save_trace)
     if cfg.text is not None and cfg.prompts is not None:
         raise BadInput("--text and --prompts exclude each other")
-    source = models.resolve(cfg.model)
+    source = source or models.resolve(cfg.model)
     shape = zoo_shape(source.config)
     if cfg.prompts is None:
         text, where = load_text(cfg.text)

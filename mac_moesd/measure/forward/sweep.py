@@ -44,7 +44,7 @@ from mac_moesd.measure.decoding.sampling import random_ids, rejection_sample
 from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point
 from mac_moesd.measure.decoding.sd_loop import sample
 
-__all__ = ["SweepConfig", "plan_layers", "run_sweep"]
+__all__ = ["SweepConfig", "plan_layers", "resolve_sources", "run_sweep"]
 
 PIPELINED_STEPS = 8  # forwards per pipelined sample of t > 1 tokens (verify-sized windows)
 # The second context is the first over this. The KV term's share of a step is small (on the CPU
@@ -399,11 +399,14 @@ def run_sweep(
     available_bytes: int | None,
     progress: Progress = Progress(),
     build: Builder = models.build,
+    sources: models.Sources | None = None,
 ) -> dict:
     """Measure (resuming what ``store`` has) and return the sweep document of docs/design.md §7.5.
-    ``build`` builds the target (the drafter is always built whole)."""
+    ``build`` builds the target (the drafter is always built whole); ``sources`` are the target
+    and drafter as the command resolved them (None: resolved here)."""
     rng = random.Random(cfg.seed)
-    source = validate(cfg)
+    sources = sources or resolve_sources(cfg)
+    source = validate(cfg, sources)
     cfg, one_context = timed_config(source, cfg)
     mode = parse_routing(cfg.routing)
     plan = plan_layers(source, cfg, available_bytes, build)
@@ -433,20 +436,27 @@ def run_sweep(
         document["routing_trace"] = {"model": t.model, "text": t.text, "digest": t.digest, "layers": t.layers,
                                      "sequences": t.sequences, "length": t.length}
     if cfg.draft:
-        document["draft"] = measure_draft(cfg, store, available_bytes, progress, rng)
+        assert sources.draft is not None  # resolved with cfg.draft
+        document["draft"] = measure_draft(cfg, sources.draft, store, available_bytes, progress, rng)
     document["reject"] = measure_reject(cfg, source, store, progress, rng, available_bytes)
     return document
 
 
-def validate(cfg: SweepConfig) -> models.ModelSource:
-    """Check the model and its limits before anything is opened or allocated."""
-    source = models.resolve(cfg.model)
+def resolve_sources(cfg: SweepConfig) -> models.Sources:
+    """``cfg``'s model and drafter as found on this machine."""
+    return models.Sources(models.resolve(cfg.model), models.resolve(cfg.draft) if cfg.draft else None)
+
+
+def validate(cfg: SweepConfig, sources: models.Sources | None = None) -> models.ModelSource:
+    """Check the model and its limits before anything is opened or allocated; the target's source."""
+    sources = sources or resolve_sources(cfg)
+    source = sources.target
     check_context(source, cfg)
     full = int(source.config["num_hidden_layers"])
     if cfg.layers is not None and not 1 <= cfg.layers <= full:
         raise BadInput(f"--layers must be in 1..{full} for {source.name}, got {cfg.layers}")
-    if cfg.draft:
-        check_context(models.resolve(cfg.draft), cfg)
+    if sources.draft is not None:
+        check_context(sources.draft, cfg)
     check_against_model(parse_routing(cfg.routing), cfg.gather, zoo.expert_shape(source.config),
                         source.name, cfg.batches, cfg.tokens)
     return source
@@ -468,10 +478,9 @@ def draft_config(cfg: SweepConfig) -> SweepConfig:
     return replace(cfg, model=cfg.draft, tokens=(1,), layers=None, routing="model", gather="mlx-lm", kv_context=0)
 
 
-def measure_draft(cfg, store, available_bytes, progress, rng) -> dict:
+def measure_draft(cfg, source: models.ModelSource, store, available_bytes, progress, rng) -> dict:
     """T_D(B, 1): the drafter's one-token step at every batch size (full depth, never sliced)."""
     draft_cfg = draft_config(cfg)
-    source = models.resolve(cfg.draft)
     check_context(source, draft_cfg)
     plan = plan_layers(source, draft_cfg, available_bytes)
     if len(plan) > 1:

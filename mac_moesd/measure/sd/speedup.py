@@ -60,7 +60,7 @@ from mac_moesd.measure.caches.rolled_cache import PREFILL_CHUNK
 from mac_moesd.measure.caches import rollback as rollbacks
 
 if TYPE_CHECKING:
-    from mac_moesd.inputs.models import ModelSource
+    from mac_moesd.inputs.models import Sources
 
 __all__ = ["SpecConfig", "require_valid", "run_spec", "stored_and_valid"]
 
@@ -131,20 +131,11 @@ class SpecConfig:
             raise BadInput(f"--rollback must be one of {', '.join(rollbacks.STRATEGIES)}")
 
 
-@dataclass(frozen=True)
-class Sources:
-    """The models of a configuration, resolved once per command (``resolve_sources``) and passed
-    down, so every step measures the same folders and names them alike."""
-
-    target: ModelSource
-    draft: ModelSource | None  # None where no drafter model drafts (prompt lookup, an MTP head)
-
-
 def resolve_sources(cfg: SpecConfig) -> Sources:
     """``cfg``'s target and drafter model as found on this machine."""
     from mac_moesd.inputs import models
 
-    return Sources(models.resolve(cfg.target), models.resolve(cfg.draft) if cfg.drafter_kind == "model" else None)
+    return models.Sources(models.resolve(cfg.target), models.resolve(cfg.draft) if cfg.drafter_kind == "model" else None)
 
 
 @dataclass(frozen=True)
