@@ -132,7 +132,7 @@ def _scatter_unsort(x: mx.array, inv_order: mx.array, shape: tuple | None = None
 
 # ---- the switch modules' call (SwitchGLU / SwitchMLP) ----
 
-# What ``measure.gather.sorted_switch_call`` reads of each switch class, as mlx-lm 0.32 builds them.
+# What ``measure.experts.gather.sorted_switch_call`` reads of each switch class, as mlx-lm 0.32 builds them.
 SORTED_PARTS = {"SwitchGLU": ("gate_proj", "up_proj", "down_proj", "activation"),
                 "SwitchMLP": ("fc1", "fc2", "activation")}
 

@@ -212,6 +212,20 @@ def test_quick_plan_fits_other_macs_by_chip(chip, gib):
     check_plan(doc)
 
 
+def test_a_run_resolves_each_model_once(monkeypatch):
+    from mac_moesd.inputs import models
+
+    resolved, resolve = [], models.resolve
+    monkeypatch.setattr(models, "resolve", lambda model: resolved.append(model) or resolve(model))
+    dry_run("--chip", "Apple M2", "--memory", "16")  # the default models: one target, dense control, drafter
+    assert resolved == ["qwen1.5-moe-a2.7b", "qwen2.5-3b", "qwen2-0.5b"]
+    resolved.clear()
+    # --models resolves its names to tell MoE from dense; the stages reuse them, resolving only the
+    # default dense control and the drafter.
+    dry_run("--chip", "Apple M2", "--memory", "16", "--models", "qwen1.5-moe-a2.7b,olmoe-1b-7b")
+    assert resolved == ["qwen1.5-moe-a2.7b", "olmoe-1b-7b", "qwen2.5-3b", "qwen2-0.5b"]
+
+
 def test_dry_run_usage_errors():
     result = CliRunner().invoke(cli, ["run", "--dry-run", "--chip", "Apple M9", "--memory", "8"])
     assert result.exit_code == 2 and "unknown chip" in result.stderr

@@ -72,6 +72,22 @@ def test_a_pair_plan_refuses_what_it_cannot_measure(own_pair):
         "roofline", "routing my-moe on chat", "sweep my-moe", "fit", "spec my-moe on chat"]
 
 
+def test_a_prompt_file_is_keyed_alike_by_its_stage_and_by_what_sd_stores(own_pair, tmp_path, monkeypatch):
+    from mac_moesd.inputs.prompts import load_prompts
+    from mac_moesd.results import keys
+
+    target, draft = own_pair
+    (tmp_path / "mine.txt").write_text("Write a haiku about the sea.\n\nName three prime numbers.\n")
+    monkeypatch.chdir(tmp_path)
+    plan = plans.pair_plan("cpu", True, str(target), str(draft), ("./mine.txt",))
+    assert plan.prompt_sets == ("mine.txt",)  # named as it loads
+    (prompt_set,) = plan.prompt_sets
+    stored = {"target": plan.target, "draft": plan.draft,
+              "prompts": {"name": load_prompts(plan.spec_config(prompt_set).prompts).name, "count": 2}}
+    assert keys.spec_document_key(stored, plan.spec_config(prompt_set).mode) == keys.pair_spec_key(
+        plan.target, plan.draft, plan.drafter_kind, prompt_set)
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--target", "x"], "--target and --draft go together"),
     (["--draft", "x"], "--target and --draft go together"),

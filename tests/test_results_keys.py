@@ -29,6 +29,8 @@ def test_worked_keys():
     assert keys.sweep_key_variant(keys.sweep_key("m", "q4", 512, 2, routing="trace:t.npz@ab", gather="sorted")) == (
         "trace:t.npz@ab", "sorted")
     assert keys.spec_key("t", "d", "real") == "t|d|real"
+    assert keys.spec_key_parts(keys.spec_key("t", "d", "real")) == ("t", "d", "real", None)
+    assert keys.spec_key_parts(keys.spec_key("t", "d", "real", "a/b.txt")) == ("t", "d", "real", "a/b.txt")
     assert keys.pair_spec_key("t", keys.MTP_HEAD, keys.drafter_kind(keys.MTP_HEAD), "chat") == "t|mtp-head|emulated-acceptance|chat"
     assert keys.pair_spec_key("t", "d", keys.drafter_kind("d"), "chat") == "t|d|real|chat"
     assert keys.serving_key(["a", "b"], None, None) == "url:a,b"

@@ -116,3 +116,16 @@ def test_an_sd_run_that_fails_its_audit_fails_its_stage_and_is_measured_again(tm
     assert outcome.skipped == {} and outcome.exit_status == 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert next(iter(saved["spec"].values()))["valid"] is True
+
+
+def test_the_sd_stage_finds_its_document_whatever_prompts_the_models_decode():
+    # A target with weights decodes the code prompts without --prompts, and its document's key
+    # says so; random weights decode random ids. Either is the stage's own, valid or not.
+    (spec_stage,) = [s for s in stages.default_stages(tiny_plan()) if s.label.startswith("spec ")]
+    valid, invalid = {"valid": True}, {"valid": False}
+    assert not spec_stage.done({})
+    assert spec_stage.done({"spec": {"tiny-moe|tiny-draft|emulated-acceptance": valid}})
+    assert spec_stage.done({"spec": {"tiny-moe|tiny-draft|emulated-acceptance|code": valid}})
+    assert not spec_stage.done({"spec": {"tiny-moe|tiny-draft|emulated-acceptance|code": invalid}})
+    assert not spec_stage.done({"spec": {"tiny-moe|tiny-draft|real|code": valid,
+                                         "tiny-moe-8x2|tiny-draft|emulated-acceptance": valid}})

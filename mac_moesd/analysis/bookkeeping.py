@@ -2,7 +2,7 @@
 
 Besides its forwards, rejection sampling and rollback, every round of the suite's loop chooses the
 target's token at each position from the verify's logits, synchronises once, decides what was
-accepted and builds the next pending token (``measure.bookkeeping``). The sweep times that empty
+accepted and builds the next pending token (``measure.decoding.bookkeeping``). The sweep times that empty
 round at every batch beside rejection sampling; a line through those points prices it in rounds
 nobody timed. A fixed part (the synchronisation, the Python) and a part per sequence (the token
 choice over the vocabulary, the comparisons): both bounded at 0, fitted on relative residuals so

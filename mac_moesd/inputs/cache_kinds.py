@@ -6,7 +6,7 @@
 - ``recurrent`` (``ArraysCache``): a fixed-size state, GatedDeltaNet's or Mamba2's.
 
 The sweep counts a model's layers by it, and the SD loops roll each kind back its own way
-(``measure.rollback``). A class not listed is refused with its name.
+(``measure.caches.rollback``). A class not listed is refused with its name.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class CacheShape:
         return self.per_slot * slots + self.window_per_slot * windowed + self.state
 
     def snapshot_bytes(self, slots: int, forward: int = 1) -> int:
-        """What the SD loops copy before a round may reject (``measure.rollback``): the windows
+        """What the SD loops copy before a round may reject (``measure.caches.rollback``): the windows
         and the recurrent states, never the plain KV layers."""
         return self.bytes(slots, forward) - self.per_slot * slots
 
@@ -450,7 +450,7 @@ def spec_estimate(target, draft, batch: int, gamma: int, context: int, new_token
         "activations": activation_bytes(target.config, db, batch, gamma + 1, context + new_tokens + gamma),
         "logits": logits_bytes(target.config, batch, 2 * gamma + 1) + rejection_bytes(vocab, batch, gamma),
     }
-    # The audit (untimed, after the pairs; ``measure.rollback_audit``): the decode's caches stay
+    # The audit (untimed, after the pairs; ``measure.caches.rollback_audit``): the decode's caches stay
     # while one model at a time gets fresh caches of the prompt (with their prefill's snapshot
     # where they do not trim) and is fed the emitted tokens in prefill chunks.
     fed = min(new_tokens + 1, chunk)

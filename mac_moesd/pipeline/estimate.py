@@ -231,8 +231,9 @@ def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, prompts: st
             "eta_s": seconds}
 
 
-def spec_stage(plan: Plan, sizing: Sizing) -> dict:
-    """Emulated-acceptance SD on the sparser MoE, every configuration to its precision."""
+def spec_stage(plan: Plan, sizing: Sizing, sources: models.Sources | None = None) -> dict:
+    """Emulated-acceptance SD on the sparser MoE, every configuration to its precision
+    (``sources``: target and drafter as the command resolved them; None: resolved here)."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     target = plan.moe[0]
     assert plan.draft is not None  # a zoo plan always has its drafter model
@@ -240,7 +241,7 @@ def spec_stage(plan: Plan, sizing: Sizing) -> dict:
                           alphas=(theory.DEFAULT_ALPHA,), context=plan.context, new_tokens=plan.spec_tokens,
                           repeats=plan.spec_repeats, budget_s=plan.spec_budget_s, bits=plan.bits,
                           stop_when_decided=plan.spec_stop_when_decided)
-    t, d, need = speedup.plan_models(cfg, usable, dtype)
+    t, d, need = speedup.plan_models(cfg, usable, dtype, sources=sources)
     seconds = materialise_seconds(t, rates) + materialise_seconds(d, rates)
     for batch in cfg.batches:
         seconds += _prefills(t, d, rates, batch, cfg.context)

@@ -3,8 +3,8 @@ target/drafter pair (``PairPlan``): models, grids and budgets, nothing measured 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
 
 from mac_moesd.analysis import theory
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -42,11 +42,20 @@ class Plan:
     routing_batches: tuple[int, ...]
     spec_budget_s: float = 120.0  # seconds per SD configuration to reach its precision
     spec_stop_when_decided: bool = False  # quick: an SD configuration stops once its answer is decided
-    rollback: str = "auto"  # how SD takes back rejected drafts (measure.rollback.STRATEGIES)
+    rollback: str = "auto"  # how SD takes back rejected drafts (measure.caches.rollback.STRATEGIES)
+    # Models already resolved while the plan was made (``with_models``), by argument
+    resolved: Mapping[str, models.ModelSource] = field(default_factory=dict)
 
     @property
     def models(self) -> tuple[str, ...]:
         return (*self.moe, self.dense) if self.dense else self.moe
+
+
+def resolve_plan(plan: Plan) -> dict[str, models.ModelSource]:
+    """Every model the plan measures (targets, dense control, drafter) resolved once for the
+    command, reusing what making the plan resolved already."""
+    names = [*plan.models, *([plan.draft] if plan.draft else [])]
+    return {name: plan.resolved.get(name) or models.resolve(name) for name in dict.fromkeys(names)}
 
 
 def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
@@ -87,11 +96,13 @@ def with_models(plan: Plan, names: tuple[str, ...]) -> Plan:
     """Replace the default targets: MoE models in the given order, the first dense one as control."""
     moe: list[str] = []
     dense: list[str] = []
+    resolved = {name: models.resolve(name) for name in dict.fromkeys(names)}
     for name in names:
-        (moe if zoo.expert_shape(models.resolve(name).config) else dense).append(name)
+        (moe if zoo.expert_shape(resolved[name].config) else dense).append(name)
     if not moe:
         raise BadInput("--models needs at least one MoE model")
-    return replace(plan, moe=tuple(moe), dense=dense[0] if dense else plan.dense)
+    return replace(plan, moe=tuple(moe), dense=dense[0] if dense else plan.dense,
+                   resolved={**plan.resolved, **resolved})
 
 
 @dataclass(frozen=True)
@@ -190,8 +201,9 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
                            "measures trained weights; `run --models` measures random-weight models")
     if zoo.expert_shape(target_source.config) is None:
         raise BadInput(f"--target {target} is not an MoE model (its config names no experts)")
-    for prompt_set in prompt_sets:
-        load_prompts(prompt_set)  # a missing or empty FILE is refused before anything runs
+    # A missing or empty FILE is refused before anything runs; each set is named as it loads
+    # (a FILE by its path, ~ expanded), the name SD's documents and their keys give it.
+    prompt_sets = tuple(load_prompts(prompt_set).name for prompt_set in prompt_sets)
     base = default_plan(backend, quick)
     base = replace(base, moe=(target,), dense=None, draft=draft, bits=None,
                    routing_batches=tuple(b for b in base.routing_batches if b <= 16))

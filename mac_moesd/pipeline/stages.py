@@ -10,20 +10,25 @@ document a stage writes records the thermal pressure before and after the stage
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import MacMoesdError
+from mac_moesd.inputs import models
 from mac_moesd.machine import memory
 from mac_moesd.measure.experts import routing
 from mac_moesd.measure.forward import sweep
 from mac_moesd.measure.peaks import roofline
 from mac_moesd.measure.sd import speedup
 from mac_moesd.pipeline import estimate
-from mac_moesd.pipeline.plans import Plan
+from mac_moesd.pipeline.plans import Plan, resolve_plan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, keys, schema, spec_key
+from mac_moesd.results import ResultsStore, keys, schema
 
 __all__ = ["default_stages", "roofline_stage", "run_all", "sweep_config"]
+
+Resolved = Mapping[str, models.ModelSource]  # a plan's models by argument, as resolve_plan found them
 
 
 def roofline_stage(plan: Plan) -> Stage:
@@ -47,21 +52,24 @@ def sweep_config(plan: Plan, name: str) -> sweep.SweepConfig:
                              draft=plan.draft if name in plan.moe else None)
 
 
-def _sweep(plan: Plan, name: str) -> Stage:
+def _sweep(plan: Plan, name: str, resolved: Resolved) -> Stage:
+    cfg = sweep_config(plan, name)
+    sources = models.Sources(resolved[name], resolved[cfg.draft] if cfg.draft else None)
     return Stage(f"sweep {name}",
-                 lambda ctx: sweep.run_sweep(sweep_config(plan, name), ctx.store, ctx.usable_bytes, ctx.progress),
-                 estimate=lambda sizing: estimate.sweep_stage(plan, name, sizing), models=(name,))
+                 lambda ctx: sweep.run_sweep(cfg, ctx.store, ctx.usable_bytes, ctx.progress, sources=sources),
+                 estimate=lambda sizing: estimate.sweep_stage(plan, name, sizing, sources), models=(name,))
 
 
-def _routing(plan: Plan, name: str) -> Stage:
+def _routing(plan: Plan, name: str, resolved: Resolved) -> Stage:
     """Routing of random ids through ``name``, kept once any routing of it is in the results."""
     def work(ctx: Context) -> None:
         cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
-        routing.run_routing(cfg, ctx.usable_bytes, ctx.store)
+        routing.run_routing(cfg, ctx.usable_bytes, ctx.store, resolved[name])
 
     label = f"routing {name}"
     return Stage(label, work, done=lambda data: any(keys.routing_key_model(k) == name for k in data.get("routing", {})),
-                 estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label), models=(name,))
+                 estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label, source=resolved[name]),
+                 models=(name,))
 
 
 def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
@@ -78,11 +86,18 @@ def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
         raise MacMoesdError("no MoE sweep finished, so there is nothing to fit")
 
 
-def _spec(plan: Plan) -> Stage:
+def _spec(plan: Plan, resolved: Resolved) -> Stage:
     """Emulated-acceptance SD on the sparser MoE, beside the fit's predictions."""
     target, draft = plan.moe[0], plan.draft
     assert draft is not None  # a zoo plan always has its drafter model
-    key = spec_key(target, draft, "emulated-acceptance")
+    sources = models.Sources(resolved[target], resolved[draft])
+    pair = (sources.target.name, resolved[draft].name, "emulated-acceptance")
+
+    def done(data: dict) -> bool:
+        """SD of the pair is stored, valid: on random ids, or on the prompts a model with weights
+        decodes (the key says which)."""
+        return any(keys.spec_key_parts(key)[:3] == pair and speedup.stored_and_valid(data, key)
+                   for key in data.get("spec", {}))
 
     def work(ctx: Context) -> None:
         data = ctx.store.data
@@ -94,10 +109,10 @@ def _spec(plan: Plan) -> Stage:
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
                               stop_when_decided=plan.spec_stop_when_decided)
         speedup.require_valid(speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
-                                               fit.sweep_plain_step(data, target), store=ctx.store))
+                                               fit.sweep_plain_step(data, target), sources, ctx.store))
 
-    return Stage(f"spec {target}", work, done=lambda data: speedup.stored_and_valid(data, key),
-                 estimate=lambda sizing: estimate.spec_stage(plan, sizing), models=(target, draft))
+    return Stage(f"spec {target}", work, done=done,
+                 estimate=lambda sizing: estimate.spec_stage(plan, sizing, sources), models=(target, draft))
 
 
 def _random_weights_serving() -> Stage:
@@ -109,9 +124,12 @@ def _random_weights_serving() -> Stage:
 
 
 def default_stages(plan: Plan, serving: bool = False) -> list[Stage]:
-    """The stages of `run` on ``plan``, in order (the report comes after them)."""
-    return [roofline_stage(plan), *[_sweep(plan, m) for m in plan.models], *[_routing(plan, m) for m in plan.moe],
-            Stage("fit", lambda ctx: fit_targets(plan, ctx.store, ctx.outcome)), _spec(plan),
+    """The stages of `run` on ``plan``, in order (the report comes after them); its models are
+    resolved here, once, and every stage measures those."""
+    resolved = resolve_plan(plan)
+    return [roofline_stage(plan), *[_sweep(plan, m, resolved) for m in plan.models],
+            *[_routing(plan, m, resolved) for m in plan.moe],
+            Stage("fit", lambda ctx: fit_targets(plan, ctx.store, ctx.outcome)), _spec(plan, resolved),
             *([_random_weights_serving()] if serving else [])]
 
 

@@ -70,7 +70,7 @@ def drafter_reported(leg: dict) -> str:
 
 
 def counter_rows(doc: dict) -> list[list[str]]:
-    """One row per leg whose server reported draft counters (``measure.sd_counters``)."""
+    """One row per leg whose server reported draft counters (``measure.server.sd_counters``)."""
     rows = []
     for leg in doc["legs"]:
         c = leg.get("sd_counters") or {}

@@ -12,7 +12,7 @@ from mac_moesd.results import schema
 __all__ = [
     "DRAFTER_KINDS", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
     "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_document_key", "routing_key",
-    "routing_key_model", "serving_key", "spec_document_key", "spec_key", "sweep_key", "sweep_key_variant",
+    "routing_key_model", "serving_key", "spec_document_key", "spec_key", "spec_key_parts", "sweep_key", "sweep_key_variant",
 ]
 
 # The drafters --draft names without a model (their names in results keys); any other name is a
@@ -91,6 +91,12 @@ def spec_key(target: str, draft: str, mode: str, prompt_set: str | None = None) 
     command that measures or reads a pair's SD (spec, run, serving, the report) finds the same
     document."""
     return "|".join([target, draft, mode] + ([prompt_set] if prompt_set else []))
+
+
+def spec_key_parts(key: str) -> tuple[str, str, str, str | None]:
+    """A ``spec_key``'s target, drafter, mode and prompt set (None: random ids)."""
+    target, draft, mode, *prompt_set = key.split("|", 3)
+    return target, draft, mode, prompt_set[0] if prompt_set else None
 
 
 def spec_document_key(document: schema.SpecDocument, mode: str) -> str:

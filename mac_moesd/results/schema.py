@@ -817,7 +817,7 @@ class InFlight(TypedDict, total=False):
 
 
 class SdCounters(TypedDict, total=False):
-    """A leg's draft counters as the server reported them (``measure.sd_counters``)."""
+    """A leg's draft counters as the server reported them (``measure.server.sd_counters``)."""
     source: str
     drafts: int | None  # verify rounds; None where the server does not report it
     drafted: int | None  # draft tokens

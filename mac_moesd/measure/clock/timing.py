@@ -130,7 +130,7 @@ def summarise(samples: list[float], target_ci: float, warmups: int) -> Measureme
 
 
 class Ranks(Protocol):
-    """The processes of a sharded model, timed as one (``measure.distributed``)."""
+    """The processes of a sharded model, timed as one (``measure.cluster.distributed``)."""
 
     def barrier(self) -> None:
         """Return once every rank has called it."""

@@ -61,7 +61,7 @@ def pipelined_steps(tokens: int, budget: timing.Budget) -> int:
     return budget.decode_chain if tokens == 1 else PIPELINED_STEPS
 
 
-# How a target model is built: models.build, or a sharded build (measure.distributed).
+# How a target model is built: models.build, or a sharded build (measure.cluster.distributed).
 Builder = Callable[..., models.Built]
 
 

@@ -57,7 +57,7 @@ def _merged(audits: dict[str, dict]) -> schema.RollbackAudit:
 def audit_configuration(decoders, decode: Callable, exact: bool = True) -> schema.RollbackRecord:
     """Decode once on pair 0's prompt with ``decode(decoder)`` (a ``Decoded``), then audit the
     models' caches (the target's alone where prompt lookup or an MTP head drafts); ``decoders``
-    is the configuration's ``spec.Decoders``."""
+    is the configuration's ``speedup.Decoders``."""
     decoders.prepare(0)
     d = decoders.current
     models = {"target": (d.target, d.target_cache, d.target_rollback)}
