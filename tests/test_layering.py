@@ -48,7 +48,7 @@ def test_every_package_folder_is_installed():
 
 
 @pytest.mark.slow  # builds the wheel as pip installs it (seconds, with a C compile)
-def test_the_wheel_holds_every_module_and_the_kernels(tmp_path):
+def test_the_wheel_holds_every_module_and_the_kernels_and_each_imports_installed(tmp_path):
     import zipfile
 
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
@@ -59,3 +59,18 @@ def test_the_wheel_holds_every_module_and_the_kernels(tmp_path):
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "mac_moesd").rglob("*.py")}
     kernels = {f"mac_moesd/metal/{p.name}" for p in (REPO / "kernels").glob("*.metal")}
     assert kernels and modules - names == set() and kernels - names == set()
+    # Installed from the wheel alone, every module imports (the package's own __main__ aside: it
+    # runs the command line).
+    installed = tmp_path / "installed"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(installed),
+                           str(wheel)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    dotted = sorted(n[: -len(".py")].replace("/", ".").removesuffix(".__init__") for n in names
+                    if n.startswith("mac_moesd/") and n.endswith(".py") and not n.endswith("__main__.py"))
+    code = ("import importlib, sys; sys.path.insert(0, sys.argv[1]); import mac_moesd; "
+            "assert mac_moesd.__file__.startswith(sys.argv[1]), mac_moesd.__file__; "
+            "[importlib.import_module(name) for name in sys.argv[2:]]")
+    done = subprocess.run([sys.executable, "-c", code, str(installed), *dotted], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(dotted) > 100 and "mac_moesd.measure.sd.speedup" in dotted
