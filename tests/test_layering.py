@@ -58,7 +58,8 @@ def test_the_wheel_holds_every_module_and_the_kernels_and_each_imports_installed
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "mac_moesd").rglob("*.py")}
     kernels = {f"mac_moesd/metal/{p.name}" for p in (REPO / "kernels").glob("*.metal")}
-    assert kernels and modules - names == set() and kernels - names == set()
+    data = {p.relative_to(REPO).as_posix() for p in (REPO / "mac_moesd" / "data").rglob("*.txt")}
+    assert kernels and data and modules - names == set() and kernels - names == set() and data - names == set()
     # Installed from the wheel alone, every module imports (the package's own __main__ aside: it
     # runs the command line).
     installed = tmp_path / "installed"
