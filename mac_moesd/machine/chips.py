@@ -109,10 +109,12 @@ APPLE_CHIPS: tuple[schema.ChipSpec, ...] = (
 
 
 def lookup_spec(chip: str, gpu_cores: int | None) -> schema.ChipSpec | None:
-    """The table entry for a chip name and core count; the full-core tier when cores are unknown."""
+    """The table entry for a chip name and core count; the full-core tier when cores are unknown.
+    A copy: the caller may store it in a document without sharing the table's own record."""
     tiers = [c for c in APPLE_CHIPS if c["name"].lower() == chip.strip().lower()]
     if not tiers:
         return None
     if gpu_cores is None:
-        return max(tiers, key=lambda c: c["gpu_cores"])
-    return next((c for c in tiers if c["gpu_cores"] == gpu_cores), None)
+        return schema.ChipSpec(**max(tiers, key=lambda c: c["gpu_cores"]))
+    found = next((c for c in tiers if c["gpu_cores"] == gpu_cores), None)
+    return None if found is None else schema.ChipSpec(**found)

@@ -116,7 +116,7 @@ def run_roofline(quick: bool, sizes_mib: tuple[float, ...] | None, max_size_mib:
     roofline.validate(cfg, usable.usable_bytes, cap)
     progress.expect(roofline.progress_steps(cfg))
     memory.start_stage()
-    document = roofline.run_roofline(cfg, machine.to_dict()["spec"], machine.backend, progress.advance,
+    document = roofline.run_roofline(cfg, machine.spec, machine.backend, progress.advance,
                                      usable_bytes=usable.usable_bytes, store=store)
     if document["kernels"]["path"] != "metal":
         warn(document["kernels"]["note"])
@@ -254,16 +254,15 @@ def run(options: RunOptions, out: Path, memory_limit_gib: float | None, progress
         if chosen is None:
             warn("no known MoE/drafter pair in the Hugging Face cache fits here: measuring random-weight "
                  "models (the report says so)")
-    chip_spec = machine.to_dict()["spec"]
     if chosen:
         chosen = [replace(plan, base=replace(plan.base, rollback=options.rollback)) for plan in chosen]
-        outcome = pair_stages.run_pair(chosen, store, machine, chip_spec, progress, limit_bytes, serving_cfg)
+        outcome = pair_stages.run_pair(chosen, store, machine, machine.spec, progress, limit_bytes, serving_cfg)
     else:
         plan = plans.default_plan(machine.backend, options.quick, options.full)
         if options.models:
             plan = plans.with_models(plan, options.models)
         plan = replace(plan, rollback=options.rollback)
-        outcome = stages.run_all(plan, store, machine, chip_spec, progress, limit_bytes, options.serving)
+        outcome = stages.run_all(plan, store, machine, machine.spec, progress, limit_bytes, options.serving)
     progress.note("report")
     paths = report.write_report(store.data, store.path.parent)
     return RunResult(outcome, store, paths)

@@ -159,14 +159,13 @@ def materialise_seconds(built, rates: Rates) -> float:
 # ---- stages ----
 
 
-def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources | None = None) -> dict:
+def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) -> dict:
     """The sweep of ``name`` as ``sweep.run_sweep`` runs it: its slices, peak and duration
-    (``sources``: ``name`` and its drafter as the command resolved them; None: resolved here)."""
+    (``sources``: ``name`` and its drafter as the command resolved them)."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     cfg = sweep.SweepConfig(model=name, batches=plan.batches, tokens=plan.tokens, context=plan.context,
                             dtype=dtype, bits=plan.bits, budget=plan.budget,
                             draft=plan.draft if name in plan.moe else None)
-    sources = sources or sweep.resolve_sources(cfg)
     source = sources.target
     cfg, _ = sweep.timed_config(source, cfg)  # as the sweep will run it
     slices = sweep.plan_layers(source, cfg, usable)
@@ -209,12 +208,11 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources |
             "context": plan.context, "slices": parts, "peak_bytes": peak, "eta_s": seconds}
 
 
-def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, prompts: str | None = None,
-                  length: int | None = None, source: models.ModelSource | None = None) -> dict:
+def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, source: models.ModelSource,
+                  prompts: str | None = None, length: int | None = None) -> dict:
     """Routing on random ids, or on a prompt set (one sequence of ``length`` tokens per prompt);
-    ``source``: ``name`` as the command resolved it (None: resolved here)."""
+    ``source``: ``name`` as the command resolved it."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
-    source = source or models.resolve(name)
     cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
     if length:
         cfg = replace(cfg, length=length)
@@ -231,9 +229,9 @@ def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, prompts: st
             "eta_s": seconds}
 
 
-def spec_stage(plan: Plan, sizing: Sizing, sources: models.Sources | None = None) -> dict:
+def spec_stage(plan: Plan, sizing: Sizing, sources: models.Sources) -> dict:
     """Emulated-acceptance SD on the sparser MoE, every configuration to its precision
-    (``sources``: target and drafter as the command resolved them; None: resolved here)."""
+    (``sources``: target and drafter as the command resolved them)."""
     dtype, usable, rates = sizing.dtype, sizing.usable_bytes, sizing.rates
     target = plan.moe[0]
     assert plan.draft is not None  # a zoo plan always has its drafter model

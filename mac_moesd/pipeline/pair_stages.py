@@ -128,7 +128,7 @@ def as_swept(data: dict, plan: PairPlan) -> dict:
 
 def record_pair(store: ResultsStore, plan: PairPlan) -> None:
     """What this pair run measures, for the report's first lines (before any stage runs)."""
-    stored = {"target": models.stored_format(plan.resolved.target)}
+    stored = {"target": models.stored_format(plan.sources.target)}
     draft = plan.spec_sources.draft
     if draft is not None:
         stored["draft"] = models.stored_format(draft)
@@ -153,12 +153,12 @@ def _routing(plan: PairPlan, prompt_set: str) -> Stage:
         trace.parent.mkdir(exist_ok=True)
         cfg = routing.RoutingConfig(model=plan.target_arg, prompts=prompt_set, save_trace=trace,
                                     batches=plan.base.routing_batches, length=plan.routing_length)
-        routing.run_routing(cfg, ctx.usable_bytes, ctx.store, plan.resolved.target)
+        routing.run_routing(cfg, ctx.usable_bytes, ctx.store, plan.sources.target)
 
     return Stage(label, work, done=lambda data: key in data.get("routing", {}),
                  estimate=lambda sizing: estimate.routing_stage(plan.base, plan.target_arg, sizing, label,
-                                                                prompt_set, plan.routing_length,
-                                                                plan.resolved.target),
+                                                                plan.sources.target, prompt_set,
+                                                                plan.routing_length),
                  models=(plan.target_arg,))
 
 
@@ -170,10 +170,10 @@ def _sweep(plan: PairPlan, drafters: tuple[str, ...] = ()) -> Stage:
     def work(ctx: Context) -> None:
         record = sweep_routing(ctx.store, plan, drafters)
         cfg = replace(sweep_config(plan.base, plan.target_arg), routing=record["routing"])
-        sweep.run_sweep(cfg, ctx.store, ctx.usable_bytes, ctx.progress, sources=plan.resolved)
+        sweep.run_sweep(cfg, ctx.store, ctx.usable_bytes, ctx.progress, sources=plan.sources)
 
     return Stage(label, work, models=(plan.target_arg,),
-                 estimate=lambda sizing: {**estimate.sweep_stage(plan.base, plan.target_arg, sizing, plan.resolved),
+                 estimate=lambda sizing: {**estimate.sweep_stage(plan.base, plan.target_arg, sizing, plan.sources),
                                          "stage": label})
 
 

@@ -43,7 +43,7 @@ class Plan:
     spec_budget_s: float = 120.0  # seconds per SD configuration to reach its precision
     spec_stop_when_decided: bool = False  # quick: an SD configuration stops once its answer is decided
     rollback: str = "auto"  # how SD takes back rejected drafts (measure.caches.rollback.STRATEGIES)
-    # Models already resolved while the plan was made (``with_models``), by argument
+    # Models already resolved while the plan was made (``with_models``, ``pair_plans``), by argument
     resolved: Mapping[str, models.ModelSource] = field(default_factory=dict)
 
     @property
@@ -121,19 +121,18 @@ class PairPlan:
     found: str = "given on the command line"
     max_prompts: int | None = None  # prompts per set the acceptance pass decodes (None: all)
     alpha: float = theory.DEFAULT_ALPHA  # the acceptance an MTP head's runs impose (run --alpha)
-    sources: models.Sources | None = None  # the target and the run's drafter model, as pair_plans resolved them
 
     @property
-    def resolved(self) -> models.Sources:
-        """The target and the run's drafter model as found once, when the plan was made: the
-        stages measure these, never the arguments again."""
-        assert self.sources is not None, "a pair plan made by pair_plans has its models resolved"
-        return self.sources
+    def sources(self) -> models.Sources:
+        """The target and the run's drafter model as ``pair_plans`` resolved them, once, into
+        ``base.resolved``: the stages measure these, never the arguments again."""
+        found = self.base.resolved
+        return models.Sources(found[self.target_arg], found[self.base.draft] if self.base.draft else None)
 
     @property
     def spec_sources(self) -> models.Sources:
         """What SD drafts with: the run's drafter model, or none for prompt lookup and an MTP head."""
-        return models.Sources(self.resolved.target, self.resolved.draft if self.drafter_kind == "model" else None)
+        return models.Sources(self.sources.target, self.sources.draft if self.drafter_kind == "model" else None)
 
     @property
     def target_arg(self) -> str:
@@ -166,7 +165,7 @@ class PairPlan:
     @property
     def draft_model(self) -> str | None:
         """The resolved name of the run's drafter model (the fit's T_D), or None without one."""
-        draft = self.resolved.draft
+        draft = self.sources.draft
         return draft.name if draft is not None else None
 
 
@@ -206,13 +205,13 @@ def pair_plans(backend: str, quick: bool, target: str, drafts: tuple[str, ...],
     prompt_sets = tuple(load_prompts(prompt_set).name for prompt_set in prompt_sets)
     base = default_plan(backend, quick)
     base = replace(base, moe=(target,), dense=None, draft=draft, bits=None,
-                   routing_batches=tuple(b for b in base.routing_batches if b <= 16))
+                   routing_batches=tuple(b for b in base.routing_batches if b <= 16),
+                   resolved={target: target_source, **({draft: draft_source} if draft and draft_source else {})})
     # --quick: the untimed acceptance pass decodes the first 10 prompts of each set (a third of
     # a built-in set); the timed runs still cycle through all of them.
     names = [draft_source.name if draft_source and d not in DRAFTER_KINDS else d for d in dict.fromkeys(drafts)]
     return [PairPlan(base, target_source.name, name, tuple(prompt_sets), found=found,
-                     max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha,
-                     sources=models.Sources(target_source, draft_source)) for name in names]
+                     max_prompts=QUICK_PROMPTS if quick else None, alpha=alpha) for name in names]
 
 
 def fits_in_memory(plan: Plan, usable_bytes: int) -> Callable[[str, str], str | None]:

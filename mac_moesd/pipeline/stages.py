@@ -68,7 +68,7 @@ def _routing(plan: Plan, name: str, resolved: Resolved) -> Stage:
 
     label = f"routing {name}"
     return Stage(label, work, done=lambda data: any(keys.routing_key_model(k) == name for k in data.get("routing", {})),
-                 estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label, source=resolved[name]),
+                 estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label, resolved[name]),
                  models=(name,))
 
 
