@@ -70,6 +70,16 @@ def test_mlx_lm_rounds_drop_the_shortened_last_rounds():
     assert acceptance.mlx_lm_rounds([False, False], 2, 7) == [0, 0]
 
 
+def test_mlx_lm_verifies_count_every_round_the_decode_ran():
+    assert acceptance.mlx_lm_verifies([True, True, True, True, False, True, False]) == 2
+    # max_tokens 9, gamma 4: a round of 4 accepted (+1), then 4 drafted and accepted, ending the
+    # decode inside the round: its verify ran, its target token was never yielded.
+    assert flags_of([4, 4], 4, 9) == [True] * 4 + [False] + [True] * 4
+    assert acceptance.mlx_lm_verifies(flags_of([4, 4], 4, 9)) == 2
+    assert acceptance.mlx_lm_verifies([False, False, False]) == 3
+    assert acceptance.mlx_lm_verifies([]) == 0
+
+
 def test_expected_rounds_of_a_constant_rule_is_the_chain():
     # Every position accepted with probability a, whatever the drafted token: alpha = a exactly.
     a, gamma = 0.6, 4

@@ -107,6 +107,7 @@ def test_prompt_lookup_at_temperature_0_emits_plain_greedy_decoding(target, prom
     assert np.array_equal(out.outputs[:, :40], plain.outputs)
     # every round is counted, with its proposals and verify width
     rounds = len(out.widths)
+    assert out.verifies == rounds
     assert len(out.per_round) == len(out.proposed) == rounds * batch
     assert out.tokens == sum(a + 1 for a in out.per_round)
     # the accepted counts are the kept ones, the same for every row of a round

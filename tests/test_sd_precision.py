@@ -1,5 +1,6 @@
 """SD measured to a stated precision, and predicted from the SD stage's own timed forwards."""
 
+import numpy as np
 import pytest
 
 from mac_moesd.measure.clock import timing
@@ -8,16 +9,38 @@ from mac_moesd.measure.sd.round_parts import round_prediction
 from mac_moesd.measure.decoding.sd_loop import Decoded
 
 
-def test_bootstrap_ci_of_two_values_spans_them():
-    # Resamples of [1, 3] have medians 1, 2 or 3 with chances 1/4, 1/2, 1/4: the 2.5th and
-    # 97.5th percentiles of 2000 of them are 1 and 3.
-    assert timing.bootstrap_median_ci([1.0, 3.0]) == (1.0, 3.0)
-    assert timing.bootstrap_median_ci([1.2, 1.2, 1.2]) == (1.2, 1.2)
-    assert timing.bootstrap_median_ci([0.9]) == (0.9, 0.9)
-    values = [0.8, 1.1, 0.95, 1.0, 1.3, 0.7, 1.05, 0.9]
-    assert timing.bootstrap_median_ci(values) == timing.bootstrap_median_ci(values)  # fixed seed
-    low, high = timing.bootstrap_median_ci(values)
-    assert low <= 0.975 <= high  # the median of the eight
+def test_median_ci_takes_the_order_statistics_of_conovers_ranks():
+    assert timing.median_ci([0.9]) == (0.9, 0.9)
+    assert timing.median_ci([3.0, 1.0]) == (1.0, 3.0)  # ranks clipped to [1, 2]
+    # n = 8: ranks floor(4 - 2.77) = 1 and ceil(5 + 2.77) = 8, the whole range.
+    assert timing.median_ci([0.8, 1.1, 0.95, 1.0, 1.3, 0.7, 1.05, 0.9]) == (0.7, 1.3)
+    # n = 100: ranks floor(50 - 9.8) = 40 and ceil(51 + 9.8) = 61.
+    assert timing.median_ci([float(v) for v in range(100, 0, -1)]) == (40.0, 61.0)
+
+
+def test_median_ci_covers_the_median_at_least_95_percent_of_the_time_with_few_values():
+    # A percentile bootstrap of 8 values' median covers less often than it says (0.91 here).
+    rng = np.random.default_rng(1)
+    for n in (8, 12, 30):
+        covered = [low <= 0.0 <= high for low, high in map(timing.median_ci, rng.standard_normal((4000, n)))]
+        assert np.mean(covered) >= 0.945, n
+
+
+def test_each_pairs_sd_rate_counts_its_rounds_at_the_tokens_per_round_all_runs_realised():
+    plain = [Decoded(10), Decoded(10)]  # 10 tok/s in both pairs
+    # Same machine speed (4 rounds a second) but different luck: 12 and 8 tokens in 4 rounds.
+    lucky, unlucky = Decoded(12, verifies=4), Decoded(8, verifies=4)
+    assert speedup.pooled_tokens_per_round([lucky, unlucky]) == 2.5
+    assert speedup.pair_speedups(plain, [1.0, 1.0], [lucky, unlucky], [1.0, 1.0]) == [1.0, 1.0]
+    # A run twice as slow per round is half the rate at the pooled 2.5 tokens a round.
+    assert speedup.pair_speedups(plain, [1.0, 1.0], [lucky, unlucky], [1.0, 2.0]) == [1.0, 0.5]
+    # Decodes that did not count their rounds keep their own tokens per second.
+    assert speedup.pooled_tokens_per_round([lucky, Decoded(8)]) is None
+    assert speedup.pair_speedups(plain, [1.0, 1.0], [Decoded(12), Decoded(8)], [1.0, 1.0]) == [1.2, 0.8]
+    row = speedup.summarise_pairs(plain, [1.0, 1.0], [lucky, unlucky], [1.0, 2.0], speedup.Precision(2, 0.03, 1.0))
+    assert row["pooled_tokens_per_round"] == 2.5 and row["measured_ci_method"] == "order statistics"
+    assert row["tokens_per_s_sd"] == pytest.approx(8.0)  # the runs' own rates (12 and 4 tok/s)
+    assert row["measured_speedup"] == pytest.approx(0.75) and row["measured_ci"] == [0.5, 1.0]
 
 
 def test_enough_pairs_after_the_minimum_once_the_ci_is_tight_or_the_budget_spent():
@@ -242,3 +265,16 @@ def test_the_round_adds_up_to_the_measured_round_on_a_fake_clock(monkeypatch, ba
     assert measured == pytest.approx((gamma + 1) * step(1) + step(gamma + 1))
     assert priced["round_s"] == pytest.approx(measured)
     assert priced["speedup"] == pytest.approx(row["measured_speedup"])
+
+
+def test_the_reports_note_names_how_its_rows_were_measured():
+    from mac_moesd.reporting.formatting import precision_note
+
+    base = {"measured_speedup": 0.9, "measured_ci": [0.88, 0.92], "precision": 0.03, "precision_met": True,
+            "budget_s": 120.0, "repeats": 8, "stopped": "precision"}
+    new = {**base, "measured_ci_method": "order statistics", "pooled_tokens_per_round": 2.8}
+    assert "distribution-free 95% confidence interval (order statistics)" in precision_note([new])
+    assert "one run's luck in acceptance" in precision_note([new])
+    old = precision_note([base])  # recorded before 2026-12-07
+    assert "95% bootstrap confidence interval" in old and "luck" not in old
+    assert "bootstrap in older rows, order statistics in newer" in precision_note([base, new])

@@ -184,6 +184,7 @@ def test_the_drafters_catch_up_is_evaluated_inside_the_timed_run():
     decoder = Decoder(built.model, built.model, mx.random.randint(0, built.config["vocab_size"], (2, 9)))
     decoded = decoder.speculative(6, 2, "self-draft")
     assert set(decoded.per_round) == {2}
+    assert decoded.verifies == 2 and decoded.tokens == 12  # 3 tokens a round per sequence, 6 needed
     mx.synchronize()
     mx.reset_peak_memory()
     mx.eval([c.state for c in decoder.draft_cache])

@@ -120,6 +120,8 @@ def test_spec_real_code_json_measured_beside_predicted(tiny_pair, tmp_path):
         assert run["prompts"] == "code" and run["temperature"] == 0
         assert len(run["acceptance_by_position"]) == 2 and run["sigma"] is not None
         assert run["measured_speedup"] > 0 and run["predicted_speedup"] > 0
+        # both engines count their rounds: a round gives each sequence 1 to gamma + 1 tokens
+        assert run["batch"] <= run["pooled_tokens_per_round"] <= 3 * run["batch"]
         assert run["greedy_check"]["sequences"] == run["batch"]
         # Equal to greedy but for float near-ties (the margin rule; none on the CPU's float32)
         assert run["greedy_check"]["valid"] is True and run["valid"] is True

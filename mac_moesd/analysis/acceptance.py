@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from scipy.optimize import brentq
 
-__all__ = ["RULES", "expected_rounds", "mlx_lm_rounds", "solve_alpha", "summarise_rounds", "tokens_per_round"]
+__all__ = ["RULES", "expected_rounds", "mlx_lm_rounds", "mlx_lm_verifies", "solve_alpha", "summarise_rounds", "tokens_per_round"]
 
 RULES = ("mlx-lm", "rejection")  # accept when the sampled target token equals the draft; min(1, p/q)
 
@@ -93,6 +93,14 @@ def mlx_lm_rounds(from_draft: Sequence[bool], gamma: int, max_tokens: int) -> li
             rounds.append(run)
         run, start = 0, emitted
     return rounds
+
+
+def mlx_lm_verifies(from_draft: Sequence[bool]) -> int:
+    """The verify forwards mlx-lm's ``speculative_generate_step`` ran, from its flags: one per
+    round, each closed by the target's own token (False), and one more where the decode ended on
+    accepted drafts (max_tokens reached inside a round, whose verify had run)."""
+    flags = list(from_draft)
+    return flags.count(False) + bool(flags and flags[-1])
 
 
 def expected_rounds(token_probs: np.ndarray, position_probs: np.ndarray) -> dict:

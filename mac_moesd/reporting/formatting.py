@@ -334,8 +334,15 @@ def precision_note(runs: list[dict]) -> str:
     r = measured[0]
     early = (f", or (a quick run) until it lay wholly more than {r['precision']:.0%} from 1.0, the answer "
              f"decided" if decided else "")
-    return (f"Measured S is the median of per-pair ratios of alternating plain and SD runs, with its 95% "
-            f"bootstrap confidence interval: pairs were added until the interval was within "
+    pooled = (" (each SD run's rounds per second at the tokens per round all of the configuration's SD runs "
+              "realised together, so that one run's luck in acceptance does not spread the pairs)"
+              if all(run.get("pooled_tokens_per_round") for run in measured) else "")
+    methods = {run.get("measured_ci_method", "bootstrap") for run in measured}
+    interval = ("distribution-free 95% confidence interval (order statistics)" if methods == {"order statistics"}
+                else "95% bootstrap confidence interval" if methods == {"bootstrap"}
+                else "95% confidence interval (bootstrap in older rows, order statistics in newer)")
+    return (f"Measured S is the median of per-pair ratios of alternating plain and SD runs{pooled}, with its "
+            f"{interval}: pairs were added until the interval was within "
             f"+-{r['precision']:.0%} of the median{early}, or {r['budget_s']:g} s of the configuration were "
             f"spent (at least {r['repeats']} pairs); {met} of {len(measured)} configurations met the precision"
             + (f", {decided} stopped at a decided answer." if decided else "."))

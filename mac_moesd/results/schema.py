@@ -703,6 +703,8 @@ class SpecRun(TypedDict, total=False):
     measured_speedup: float
     speedup_range: list[float]  # [min, max]
     measured_ci: list[float]  # [low, high]
+    measured_ci_method: str  # order statistics (timing.median_ci); absent in older records: percentile bootstrap
+    pooled_tokens_per_round: float | None  # each pair's SD rate is its rounds/s times this (all sequences); absent in older records: the run's own tokens/s
     precision: float
     precision_met: bool
     stopped: str  # what ended its pairs: precision | decided | budget

@@ -47,7 +47,8 @@ RuleProbs = dict[str, tuple[list[np.ndarray], list[np.ndarray]]]  # rule -> rows
 @dataclass
 class Decoded:
     """What one decode produced: tokens credited (all sequences), the draft tokens each sequence
-    accepted in each round, the emitted token ids per sequence, and, when asked for at
+    accepted in each round, the emitted token ids per sequence, the verify forwards it ran (its
+    rounds; 0 for a plain decode), and, when asked for at
     temperature > 0, each rule's acceptance probabilities per round and position (rows of
     ``analysis.acceptance.expected_rounds``'s inputs)."""
 
@@ -55,6 +56,7 @@ class Decoded:
     per_round: list[int] = field(default_factory=list)
     outputs: np.ndarray | None = None  # (batch, emitted)
     rule_probs: RuleProbs | None = None  # rule -> (token_probs, position_probs)
+    verifies: int = 0
     # Prompt lookup: draft tokens each sequence was offered in each round (as ``per_round``),
     # each round's verify width (its longest proposal), the host seconds its lookups took, and
     # the rounds that rolled back.
@@ -192,7 +194,7 @@ class Decoder:
         # its cache only: evaluate it here, inside the timed run, not in the next one.
         outputs = np.array(mx.concatenate(emitted, axis=1))
         mx.eval([c.state for c in self.draft_cache])
-        return Decoded(int(produced.sum()), per_round, outputs, probs)
+        return Decoded(int(produced.sum()), per_round, outputs, probs, verifies=len(per_round) // self.batch)
 
 
     def lookup_rounds(self, new_tokens: int, gamma: int, temperature: float = 0.0) -> Decoded:
@@ -229,8 +231,8 @@ class Decoder:
             emitted += pieces
             lookup.extend(np.concatenate([padded[:, :shared], np.array(y)], axis=1))
         outputs = np.array(mx.concatenate(emitted, axis=1))
-        return Decoded(int(produced.sum()), per_round, outputs, proposed=proposed, widths=widths,
-                       lookup_s=lookup_s, rounds_rolled_back=int(rolled_back))
+        return Decoded(int(produced.sum()), per_round, outputs, verifies=len(widths), proposed=proposed,
+                       widths=widths, lookup_s=lookup_s, rounds_rolled_back=int(rolled_back))
 
 
 def accept(chosen: mx.array, drafts: mx.array, mode: str, alpha: float | None = None,

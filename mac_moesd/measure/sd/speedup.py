@@ -15,9 +15,11 @@ or a file) through its tokenizer; pair i of the timed runs uses prompts i*B .. i
 (cycling), each batch's prompts cut to its shortest, keeping their ends. A random-weight model
 decodes random token ids of ``context`` tokens. The prompt is prefilled outside the timed region;
 the timed region is decode only. Plain and speculative runs alternate on the same prompt, and the
-speedup is the median of per-pair ratios, measured to a stated precision: pairs are added until
-the 95% bootstrap confidence interval of that median is within +-``precision`` of it, or the
-configuration's time ``budget_s`` is spent (``repeats`` is the fewest pairs). After each pair the
+speedup is the median of per-pair ratios (``pair_speedups``: each SD run's rounds per second at
+the tokens per round all the configuration's SD runs realised together), measured to a stated
+precision: pairs are added until the distribution-free 95% confidence interval of that median
+(``timing.median_ci``) is within +-``precision`` of it, or the configuration's time ``budget_s``
+is spent (``repeats`` is the fewest pairs). After each pair the
 round's parts are timed on the same decoder (``round_parts``), so that a prediction from this
 stage's own forwards stands beside the fitted model's. At temperature 0 every speculative output is compared
 with the plain greedy output of the same pair (``greedy_check``); at temperature > 0 both sample,
@@ -188,7 +190,7 @@ def settle() -> None:
 @dataclass(frozen=True)
 class Precision:
     """When a configuration has enough (plain, SD) pairs: at least ``min_pairs``, then once the
-    95% bootstrap CI of the median per-pair speedup is within +-``target`` of the median, or (with
+    95% CI of the median per-pair speedup (``timing.median_ci``) is within +-``target`` of the median, or (with
     ``stop_when_decided``, a quick run) once that CI lies wholly more than ``target`` away from
     1.0, so that more pairs would narrow the figure but not change the answer, or once
     ``budget_s`` seconds of the configuration are spent."""
@@ -203,20 +205,20 @@ class Precision:
         return cls(cfg.repeats, cfg.precision, cfg.budget_s, cfg.stop_when_decided)
 
     def half_width(self, speedups: list[float], ci: tuple[float, float] | None = None) -> float:
-        low, high = ci or timing.bootstrap_median_ci(speedups)
+        low, high = ci or timing.median_ci(speedups)
         return (high - low) / 2 / statistics.median(speedups)
 
     def decided(self, speedups: list[float], ci: tuple[float, float] | None = None) -> bool:
         """Whether the CI says SD pays off (above 1 + target) or does not (below 1 - target)."""
-        low, high = ci or timing.bootstrap_median_ci(speedups)
+        low, high = ci or timing.median_ci(speedups)
         return low > 1 + self.target or high < 1 - self.target
 
     def stop_reason(self, speedups: list[float], elapsed_s: float) -> str | None:
         """Why the pairs so far are enough ("precision", "decided" or "budget"), or None while
-        they are not (one bootstrap a decision)."""
+        they are not."""
         if len(speedups) < self.min_pairs:
             return None
-        ci = timing.bootstrap_median_ci(speedups)
+        ci = timing.median_ci(speedups)
         if self.half_width(speedups, ci) <= self.target:
             return "precision"
         if self.stop_when_decided and self.decided(speedups, ci):
@@ -227,9 +229,27 @@ class Precision:
         return self.stop_reason(speedups, elapsed_s) is not None
 
 
-def pair_speedup(plain: Decoded, plain_s: float, spec: Decoded, spec_s: float) -> float:
-    """SD tokens/s over plain tokens/s of one pair."""
-    return (spec.tokens / spec_s) / (plain.tokens / plain_s)
+def pooled_tokens_per_round(spec: list[Decoded]) -> float | None:
+    """Tokens a round credited (all sequences), pooled over SD decodes: their tokens over their
+    verify forwards; None where a decode did not count its rounds."""
+    if not spec or any(d.verifies < 1 for d in spec):
+        return None
+    return sum(d.tokens for d in spec) / sum(d.verifies for d in spec)
+
+
+def pair_speedups(plain: list[Decoded], plain_s: list[float], spec: list[Decoded], spec_s: list[float]
+                  ) -> list[float]:
+    """Each pair's SD tokens/s over its plain tokens/s, the SD run's rate taken as its rounds per
+    second times the tokens per round its configuration's SD runs realised together
+    (``pooled_tokens_per_round``). A run's tokens per round vary with the acceptance its rounds
+    happened to draw: at batch 1, gamma 4, alpha 0.7 that alone spreads a 64-token run's tokens/s
+    by about 12%, more than the machine's own noise, and it is not the machine's speed. Pooled,
+    the pairs spread by the timing alone, and the speedup is the one at the acceptance the runs
+    realised together, which the row reports and both predictions are made at. Decodes that did
+    not count their rounds keep their own tokens/s."""
+    per_round = pooled_tokens_per_round(spec)
+    spec_rates = [(per_round * d.verifies if per_round else d.tokens) / t for d, t in zip(spec, spec_s)]
+    return [r / (p.tokens / t) for r, p, t in zip(spec_rates, plain, plain_s)]
 
 
 def paired(plain, speculative, prepare, precision: Precision,
@@ -254,7 +274,7 @@ def paired(plain, speculative, prepare, precision: Precision,
     spec_times: list[float] = []
     plain_out: list[Decoded] = []
     spec_out: list[Decoded] = []
-    speedups: list[float] = []
+    speedups: list[float] = []  # all of them again after each pair: the pooled tokens per round moved
     i = 0
     while not precision.enough(speedups, time.perf_counter() - started):
         ready(i)
@@ -265,7 +285,7 @@ def paired(plain, speculative, prepare, precision: Precision,
         start = time.perf_counter()
         spec_out.append(speculative())
         spec_times.append(time.perf_counter() - start)
-        speedups.append(pair_speedup(plain_out[-1], plain_times[-1], spec_out[-1], spec_times[-1]))
+        speedups = pair_speedups(plain_out, plain_times, spec_out, spec_times)
         if between is not None:
             ready(i)
             between(i)
@@ -276,11 +296,11 @@ def paired(plain, speculative, prepare, precision: Precision,
 
 def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decoded], spec_times,
                     precision: Precision) -> dict:
-    """Median tokens/s both ways, their CVs, and the median, range and 95% bootstrap CI of the
-    per-pair speedups, with whether the CI met the precision asked for."""
+    """Median tokens/s both ways, their CVs, and the median, range and 95% CI of the per-pair
+    speedups (``pair_speedups``), with whether the CI met the precision asked for."""
     plain_rates = [d.tokens / t for d, t in zip(plain_out, plain_times)]
     spec_rates = [d.tokens / t for d, t in zip(spec_out, spec_times)]
-    speedups = [s / p for s, p in zip(spec_rates, plain_rates)]
+    speedups = pair_speedups(plain_out, plain_times, spec_out, spec_times)
 
     def cv(rates):
         return statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
@@ -294,7 +314,9 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "measured_speedup": statistics.median(speedups),
         "speedup_range": [min(speedups), max(speedups)],
         "pairs": len(speedups),
-        "measured_ci": list(timing.bootstrap_median_ci(speedups)),
+        "measured_ci": list(timing.median_ci(speedups)),
+        "measured_ci_method": "order statistics",
+        "pooled_tokens_per_round": pooled_tokens_per_round(spec_out),
         "precision": precision.target,
         "precision_met": precision.half_width(speedups) <= precision.target,
         "stopped": precision.stop_reason(speedups, math.inf),  # the last pair's reason to stop
@@ -388,8 +410,9 @@ def mlx_lm_speculative(d: Decoder, gamma: int, new_tokens: int, sampler) -> Deco
     steps = list(speculative_generate_step(
         d.pending[0], d.target, d.draft, num_draft_tokens=gamma, max_tokens=new_tokens,
         sampler=sampler, prompt_cache=d.target_cache + d.draft_cache))
-    rounds = acceptance.mlx_lm_rounds([bool(flag) for _, _, flag in steps], gamma, new_tokens)
-    return Decoded(new_tokens, rounds, np.array([[t for t, _, _ in steps]]))
+    flags = [bool(flag) for _, _, flag in steps]
+    return Decoded(new_tokens, acceptance.mlx_lm_rounds(flags, gamma, new_tokens), np.array([[t for t, _, _ in steps]]),
+                   verifies=acceptance.mlx_lm_verifies(flags))
 
 
 def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: float,
