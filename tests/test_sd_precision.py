@@ -34,8 +34,10 @@ def test_each_pairs_sd_rate_counts_its_rounds_at_the_tokens_per_round_all_runs_r
     assert speedup.pair_speedups(plain, [1.0, 1.0], [lucky, unlucky], [1.0, 1.0]) == [1.0, 1.0]
     # A run twice as slow per round is half the rate at the pooled 2.5 tokens a round.
     assert speedup.pair_speedups(plain, [1.0, 1.0], [lucky, unlucky], [1.0, 2.0]) == [1.0, 0.5]
-    # Decodes that did not count their rounds keep their own tokens per second.
+    # Decodes that did not count their rounds keep their own tokens per second, as do prompt
+    # lookup's, whose rounds verify different widths.
     assert speedup.pooled_tokens_per_round([lucky, Decoded(8)]) is None
+    assert speedup.pooled_tokens_per_round([lucky, Decoded(8, verifies=4, widths=[0, 2, 3, 0])]) is None
     assert speedup.pair_speedups(plain, [1.0, 1.0], [Decoded(12), Decoded(8)], [1.0, 1.0]) == [1.2, 0.8]
     row = speedup.summarise_pairs(plain, [1.0, 1.0], [lucky, unlucky], [1.0, 2.0], speedup.Precision(2, 0.03, 1.0))
     assert row["pooled_tokens_per_round"] == 2.5 and row["measured_ci_method"] == "order statistics"

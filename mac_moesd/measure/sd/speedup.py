@@ -231,8 +231,10 @@ class Precision:
 
 def pooled_tokens_per_round(spec: list[Decoded]) -> float | None:
     """Tokens a round credited (all sequences), pooled over SD decodes: their tokens over their
-    verify forwards; None where a decode did not count its rounds."""
-    if not spec or any(d.verifies < 1 for d in spec):
+    verify forwards; None where a decode did not count its rounds, or where its rounds differ in
+    work (prompt lookup: each verifies its proposal's width, so a round that proposed nothing is
+    a cheap one-token step, and its acceptance goes with its cost rather than with chance)."""
+    if not spec or any(d.verifies < 1 or d.widths is not None for d in spec):
         return None
     return sum(d.tokens for d in spec) / sum(d.verifies for d in spec)
 
@@ -245,8 +247,8 @@ def pair_speedups(plain: list[Decoded], plain_s: list[float], spec: list[Decoded
     happened to draw: at batch 1, gamma 4, alpha 0.7 that alone spreads a 64-token run's tokens/s
     by about 12%, more than the machine's own noise, and it is not the machine's speed. Pooled,
     the pairs spread by the timing alone, and the speedup is the one at the acceptance the runs
-    realised together, which the row reports and both predictions are made at. Decodes that did
-    not count their rounds keep their own tokens/s."""
+    realised together, which the row reports and both predictions are made at. Decodes whose
+    rounds are not pooled (``pooled_tokens_per_round`` None) keep their own tokens/s."""
     per_round = pooled_tokens_per_round(spec)
     spec_rates = [(per_round * d.verifies if per_round else d.tokens) / t for d, t in zip(spec, spec_s)]
     return [r / (p.tokens / t) for r, p, t in zip(spec_rates, plain, plain_s)]
