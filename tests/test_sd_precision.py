@@ -48,7 +48,9 @@ def test_each_pairs_sd_rate_counts_its_rounds_at_the_tokens_per_round_all_runs_r
 def test_enough_pairs_after_the_minimum_once_the_ci_is_tight_or_the_budget_spent():
     p = speedup.Precision(min_pairs=3, target=0.03, budget_s=10.0)
     assert not p.enough([1.0, 1.0], 0.0)  # fewer than the minimum, however tight
-    assert p.enough([1.0, 1.0, 1.0], 0.0)  # CI of zero width
+    assert p.enough([1.0, 1.0, 1.0], 0.0)  # CI of zero width...
+    assert p.stop_reason([1.0, 1.0, 1.0], 0.0) == "repeats"  # ...of too few pairs to cover 95%
+    assert p.stop_reason([1.0] * 6, 0.0) == "precision"
     noisy = [0.6, 1.4, 0.8, 1.2]
     assert p.half_width(noisy) > 0.03 and not p.enough(noisy, 9.9)
     assert p.enough(noisy, 10.0)  # the budget is spent
@@ -148,7 +150,7 @@ def test_every_run_records_its_precision_and_both_predictions():
     assert 3 <= run["pairs"] and run["budget_s"] == 0.5 and run["precision"] == 0.5
     low, high = run["measured_ci"]
     assert low <= run["measured_speedup"] <= high
-    assert run["precision_met"] == ((high - low) / 2 / run["measured_speedup"] <= 0.5)
+    assert run["precision_met"] == ((high - low) / 2 / run["measured_speedup"] <= 0.5 and run["pairs"] >= 6)
     assert run["predicted_from"] == "measured" and run["predicted_by"]["model"] is None
     assert run["round"]["samples"] == run["pairs"]
     assert set(run["round"]["median_s"]) == {"verify", "target_step", "draft", "reject", "rollback", "bookkeeping"}
@@ -160,15 +162,15 @@ def test_every_run_records_its_precision_and_both_predictions():
 
 
 @pytest.mark.parametrize("speedups, quick, elapsed, reason", [
-    # CI [0.795, 0.81] about a median of 0.80: within +-3% (half-width 0.94%), quick or not
+    # CI [0.79, 0.81] (8 values: their whole range) about a median of 0.80: within +-3%, quick or not
     ([0.80, 0.81, 0.79, 0.80, 0.80, 0.81, 0.79, 0.80], False, 0.0, "precision"),
-    # CI [0.65, 0.85], half-width 13.7% of 0.735: wide, but wholly below 1 - 0.03: SD does not pay
+    # CI [0.6, 0.9], half-width 20% of 0.735: wide, but wholly below 1 - 0.03: SD does not pay
     ([0.6, 0.9, 0.65, 0.85, 0.7, 0.8, 0.75, 0.72], True, 0.0, "decided"),
     ([0.6, 0.9, 0.65, 0.85, 0.7, 0.8, 0.75, 0.72], False, 0.0, None),  # a full run goes on...
     ([0.6, 0.9, 0.65, 0.85, 0.7, 0.8, 0.75, 0.72], False, 30.0, "budget"),  # ...until its budget
-    # CI [1.35, 1.55], wholly above 1 + 0.03: SD pays off
+    # CI [1.3, 1.6], wholly above 1 + 0.03: SD pays off
     ([1.3, 1.6, 1.35, 1.55, 1.4, 1.5, 1.45, 1.42], True, 0.0, "decided"),
-    # CI [0.85, 1.15] straddles 1: undecided, so even a quick run goes on to its budget
+    # CI [0.8, 1.2] straddles 1: undecided, so even a quick run goes on to its budget
     ([0.8, 1.2, 0.9, 1.1, 0.95, 1.05, 0.85, 1.15], True, 0.0, None),
     ([0.8, 1.2, 0.9, 1.1, 0.95, 1.05, 0.85, 1.15], True, 30.0, "budget"),
     ([0.6, 0.9, 0.65], True, 0.0, None),  # fewer than the minimum pairs
@@ -186,6 +188,8 @@ def test_a_quick_runs_rows_say_what_stopped_them():
     assert formatting.measured_speedup({**run, "stopped": "decided"}) == "0.74 [0.65-0.85] 8 pairs, stopped: decided"
     assert formatting.measured_speedup({**run, "stopped": "budget"}) == "0.74 [0.65-0.85] 8 pairs, budget spent"
     assert formatting.measured_speedup({**run, "stopped": "precision"}) == "0.74 [0.65-0.85] 8 pairs"
+    assert formatting.measured_speedup({**run, "pairs": 3, "stopped": "repeats"}) == (
+        "0.74 [0.65-0.85] 3 pairs, the fewest pairs asked (too few for a 95% interval)")
     assert formatting.measured_speedup({**run, "precision_met": False}) == "0.74 [0.65-0.85] 8 pairs, budget spent"
 
 
@@ -280,3 +284,4 @@ def test_the_reports_note_names_how_its_rows_were_measured():
     old = precision_note([base])  # recorded before 2026-12-07
     assert "95% bootstrap confidence interval" in old and "luck" not in old
     assert "bootstrap in older rows, order statistics in newer" in precision_note([base, new])
+    assert "; in 1 of 2 rows)" in precision_note([base, new])

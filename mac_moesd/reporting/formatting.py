@@ -315,7 +315,8 @@ def measured_speedup(run: dict) -> str:
     ci = run.get("measured_ci")
     if ci:
         stopped = run.get("stopped") or ("precision" if run.get("precision_met") else "budget")
-        why = {"precision": "", "decided": ", stopped: decided", "budget": ", budget spent"}[stopped]
+        why = {"precision": "", "decided": ", stopped: decided", "budget": ", budget spent",
+               "repeats": ", the fewest pairs asked (too few for a 95% interval)"}[stopped]
         return f"{text} [{ci[0]:.2f}-{ci[1]:.2f}] {run['pairs']} pairs{why}"
     spread = run.get("speedup_range")
     return text if not spread or run.get("repeats", 1) < 2 else f"{text} ({spread[0]:.2f}-{spread[1]:.2f})"
@@ -334,9 +335,11 @@ def precision_note(runs: list[dict]) -> str:
     r = measured[0]
     early = (f", or (a quick run) until it lay wholly more than {r['precision']:.0%} from 1.0, the answer "
              f"decided" if decided else "")
+    pooled_rows = sum(bool(run.get("pooled_tokens_per_round")) for run in measured)
     pooled = (" (each SD run's rounds per second at the tokens per round all of the configuration's SD runs "
-              "realised together, so that one run's luck in acceptance does not spread the pairs)"
-              if all(run.get("pooled_tokens_per_round") for run in measured) else "")
+              "realised together, so that one run's luck in acceptance does not spread the pairs"
+              + ("" if pooled_rows == len(measured) else f"; in {pooled_rows} of {len(measured)} rows") + ")"
+              if pooled_rows else "")
     methods = {run.get("measured_ci_method", "bootstrap") for run in measured}
     interval = ("distribution-free 95% confidence interval (order statistics)" if methods == {"order statistics"}
                 else "95% bootstrap confidence interval" if methods == {"bootstrap"}

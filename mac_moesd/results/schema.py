@@ -707,7 +707,7 @@ class SpecRun(TypedDict, total=False):
     pooled_tokens_per_round: float | None  # each pair's SD rate is its rounds/s times this (all sequences); absent in older records: the run's own tokens/s
     precision: float
     precision_met: bool
-    stopped: str  # what ended its pairs: precision | decided | budget
+    stopped: str  # what ended its pairs: precision | decided | budget | repeats (fewer than timing.MEDIAN_CI_MIN)
     budget_s: float
     asked: bool
     recommended: bool

@@ -27,7 +27,7 @@ from mac_moesd.results import schema
 from mac_moesd.results.schema import Measurement
 
 __all__ = ["Budget", "Measurement", "Point", "Ranks", "calibrate", "drift", "launches",
-           "finite_time", "measure", "median_ci", "median_ci_rel", "per_launch", "summarise", "synchronised"]
+           "finite_time", "measure", "MEDIAN_CI_MIN", "median_ci", "median_ci_rel", "per_launch", "summarise", "synchronised"]
 
 DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
 SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
@@ -75,12 +75,16 @@ class Budget:
 QUICK = Budget(warmup=1, min_repeats=5, max_repeats=40, target_ci=0.02, seconds_per_point=0.5)
 
 
+MEDIAN_CI_MIN = 6  # the fewest values whose whole range covers their median 95% of the time (1 - 2/2^6)
+
+
 def median_ci(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """Distribution-free 95% CI of the median from order statistics: the values of ranks
     floor(n/2 - 0.98 sqrt(n)) and ceil(1 + n/2 + 0.98 sqrt(n)), 1-based and clipped to [1, n]
     (Conover, Practical Nonparametric Statistics, the normal approximation to the binomial).
-    Its coverage holds for any continuous distribution at any n, where a bootstrap of the median
-    comes out too narrow for a few values. With one value the interval is that value."""
+    From ``MEDIAN_CI_MIN`` values on its coverage is at least 95% for any continuous
+    distribution, where a bootstrap of the median comes out too narrow for a few values; below
+    that it is the values' whole range, which covers less (one value: that value)."""
     ordered = np.sort(np.asarray(values, dtype=float))
     n = len(ordered)
     half = 1.96 * math.sqrt(n) / 2

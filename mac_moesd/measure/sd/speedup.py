@@ -214,15 +214,16 @@ class Precision:
         return low > 1 + self.target or high < 1 - self.target
 
     def stop_reason(self, speedups: list[float], elapsed_s: float) -> str | None:
-        """Why the pairs so far are enough ("precision", "decided" or "budget"), or None while
-        they are not."""
+        """Why the pairs so far are enough ("precision", "decided" or "budget"; "repeats" where
+        the CI says so with fewer pairs than a 95% interval needs, ``timing.MEDIAN_CI_MIN``,
+        which only a ``min_pairs`` below it allows), or None while they are not."""
         if len(speedups) < self.min_pairs:
             return None
         ci = timing.median_ci(speedups)
-        if self.half_width(speedups, ci) <= self.target:
-            return "precision"
-        if self.stop_when_decided and self.decided(speedups, ci):
-            return "decided"
+        reason = ("precision" if self.half_width(speedups, ci) <= self.target
+                  else "decided" if self.stop_when_decided and self.decided(speedups, ci) else None)
+        if reason is not None:
+            return reason if len(speedups) >= timing.MEDIAN_CI_MIN else "repeats"
         return "budget" if elapsed_s >= self.budget_s else None
 
     def enough(self, speedups: list[float], elapsed_s: float) -> bool:
@@ -320,7 +321,8 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "measured_ci_method": "order statistics",
         "pooled_tokens_per_round": pooled_tokens_per_round(spec_out),
         "precision": precision.target,
-        "precision_met": precision.half_width(speedups) <= precision.target,
+        "precision_met": (precision.half_width(speedups) <= precision.target
+                          and len(speedups) >= timing.MEDIAN_CI_MIN),
         "stopped": precision.stop_reason(speedups, math.inf),  # the last pair's reason to stop
         "budget_s": precision.budget_s,
     }
@@ -413,7 +415,8 @@ def mlx_lm_speculative(d: Decoder, gamma: int, new_tokens: int, sampler) -> Deco
         d.pending[0], d.target, d.draft, num_draft_tokens=gamma, max_tokens=new_tokens,
         sampler=sampler, prompt_cache=d.target_cache + d.draft_cache))
     flags = [bool(flag) for _, _, flag in steps]
-    return Decoded(new_tokens, acceptance.mlx_lm_rounds(flags, gamma, new_tokens), np.array([[t for t, _, _ in steps]]),
+    outputs = np.array([[t for t, _, _ in steps]])
+    return Decoded(new_tokens, acceptance.mlx_lm_rounds(flags, gamma, new_tokens), outputs,
                    verifies=acceptance.mlx_lm_verifies(flags))
 
 
