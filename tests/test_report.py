@@ -198,6 +198,7 @@ def tiny_plan():
 class Machine:
     backend = "cpu"
     available_bytes = None
+    spec = None
 
 
 class StagesDone(Progress):
@@ -225,7 +226,7 @@ def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(routing, "run_routing", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        stages.run_all(plan, store, Machine(), None)
+        stages.run_all(plan, store, Machine())
     saved = json.loads((tmp_path / "results.json").read_text())
     assert "roofline" in saved and len(saved["sweeps"]) == 2 and "fits" not in saved
     assert not (tmp_path / "report.md").exists()
@@ -233,7 +234,7 @@ def test_run_interrupted_then_resumed(tmp_path, monkeypatch):
     progress = StagesDone()
     store = ResultsStore(tmp_path / "results.json", {"chip_slug": "x", "backend": "cpu",
                                                       "versions": {}, "blas": {}})
-    stages.run_all(plan, store, Machine(), None, progress)
+    stages.run_all(plan, store, Machine(), progress)
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["roofline"] == saved["roofline"]  # the finished stage was kept, not re-measured
     assert {"routing", "fits", "spec"} <= set(data)

@@ -29,7 +29,7 @@ def metal_failure(*args, **kwargs):
 def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(routing, "run_routing", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine())
     assert outcome.skipped == {"routing tiny-moe": "RuntimeError: [METAL] Command buffer execution "
                                                    "failed: Insufficient Memory"}
     assert outcome.exit_status == 3
@@ -39,7 +39,7 @@ def test_a_stage_raising_runtime_error_is_skipped_and_the_rest_runs(tmp_path, mo
 
     monkeypatch.undo()  # a rerun retries the skipped stage and clears its reason
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine())
     assert outcome.skipped == {} and outcome.exit_status == 0
     assert json.loads((tmp_path / "results.json").read_text())["skipped"] == {}
 
@@ -56,7 +56,7 @@ def test_a_failed_sweep_skips_its_fit_and_spec_with_reasons(tmp_path, monkeypatc
     monkeypatch.setattr(sweep, "run_sweep", moe_fails)
     monkeypatch.setattr(routing, "run_routing", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine())
     assert set(outcome.skipped) == {"sweep tiny-moe", "routing tiny-moe", "fit", "spec tiny-moe"}
     assert outcome.skipped["fit"] == "no MoE sweep finished, so there is nothing to fit"
     assert outcome.exit_status == 3  # the roofline and the dense sweep were measured
@@ -67,7 +67,7 @@ def test_nothing_measured_exits_1(tmp_path, monkeypatch):
         monkeypatch.setattr(module, name, metal_failure)
     monkeypatch.setattr(roofline, "run_roofline", metal_failure)
     store = ResultsStore(tmp_path / "results.json", META)
-    assert stages.run_all(tiny_plan(), store, Machine(), None).exit_status == 1
+    assert stages.run_all(tiny_plan(), store, Machine()).exit_status == 1
 
 
 @pytest.mark.slow
@@ -105,14 +105,14 @@ def test_an_sd_run_that_fails_its_audit_fails_its_stage_and_is_measured_again(tm
 
     monkeypatch.setattr(speedup, "run_spec", invalid)
     store = ResultsStore(tmp_path / "results.json", META)
-    outcome = stages.run_all(tiny_plan(), store, Machine(), None)
+    outcome = stages.run_all(tiny_plan(), store, Machine())
     assert outcome.exit_status == 3
     assert "failed its SD audit" in outcome.skipped["spec tiny-moe"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert next(iter(saved["spec"].values()))["valid"] is False  # kept, for the report to mark
 
     monkeypatch.undo()  # a rerun measures the invalid document again
-    outcome = stages.run_all(tiny_plan(), ResultsStore(tmp_path / "results.json", META), Machine(), None)
+    outcome = stages.run_all(tiny_plan(), ResultsStore(tmp_path / "results.json", META), Machine())
     assert outcome.skipped == {} and outcome.exit_status == 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert next(iter(saved["spec"].values()))["valid"] is True

@@ -256,13 +256,13 @@ def run(options: RunOptions, out: Path, memory_limit_gib: float | None, progress
                  "models (the report says so)")
     if chosen:
         chosen = [replace(plan, base=replace(plan.base, rollback=options.rollback)) for plan in chosen]
-        outcome = pair_stages.run_pair(chosen, store, machine, machine.spec, progress, limit_bytes, serving_cfg)
+        outcome = pair_stages.run_pair(chosen, store, machine, progress, limit_bytes, serving_cfg)
     else:
         plan = plans.default_plan(machine.backend, options.quick, options.full)
         if options.models:
             plan = plans.with_models(plan, options.models)
         plan = replace(plan, rollback=options.rollback)
-        outcome = stages.run_all(plan, store, machine, machine.spec, progress, limit_bytes, options.serving)
+        outcome = stages.run_all(plan, store, machine, progress, limit_bytes, options.serving)
     progress.note("report")
     paths = report.write_report(store.data, store.path.parent)
     return RunResult(outcome, store, paths)

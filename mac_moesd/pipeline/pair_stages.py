@@ -34,7 +34,7 @@ from mac_moesd.pipeline.plans import PairPlan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.pipeline.stages import roofline_stage, sweep_config
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, keys, pair_key, pair_spec_key, schema
+from mac_moesd.results import ResultsStore, keys, pair_key, pair_spec_key
 
 __all__ = ["as_swept", "pair_stages", "run_pair", "sweep_routing"]
 
@@ -240,13 +240,12 @@ def pair_stages(plans: PairPlan | list[PairPlan], serving=None) -> list[Stage]:
             *([_serving(served[0], serving)] if serving else [])]
 
 
-def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, chip_spec: schema.ChipSpec | None,
-             progress: Progress = Progress(), memory_limit_bytes: int | None = None, serving=None) -> Outcome:
+def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, progress: Progress = Progress(), memory_limit_bytes: int | None = None, serving=None) -> Outcome:
     """Measure every missing stage of the pair run into ``store`` (``runner.run_stages``), after
     recording what it measures (one ``pairs`` entry per drafter)."""
     plans = [plans] if isinstance(plans, PairPlan) else plans
     stages = pair_stages(plans, serving)  # refuses what cannot run before anything is recorded
     for plan in plans:
         record_pair(store, plan)
-    ctx = Context(store, machine.backend, chip_spec, Outcome(), progress)
+    ctx = Context(store, machine.backend, machine.spec, Outcome(), progress)
     return run_stages(stages, ctx, memory_limit_bytes)

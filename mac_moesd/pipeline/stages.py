@@ -24,7 +24,7 @@ from mac_moesd.pipeline import estimate
 from mac_moesd.pipeline.plans import Plan, resolve_plan
 from mac_moesd.pipeline.runner import Context, Outcome, Stage, run_stages
 from mac_moesd.progress import Progress
-from mac_moesd.results import ResultsStore, keys, schema
+from mac_moesd.results import ResultsStore, keys
 
 __all__ = ["default_stages", "roofline_stage", "run_all", "sweep_config"]
 
@@ -133,10 +133,9 @@ def default_stages(plan: Plan, serving: bool = False) -> list[Stage]:
             *([_random_weights_serving()] if serving else [])]
 
 
-def run_all(plan: Plan, store: ResultsStore, machine, chip_spec: schema.ChipSpec | None,
-            progress: Progress = Progress(), memory_limit_bytes: int | None = None, serving: bool = False) -> Outcome:
+def run_all(plan: Plan, store: ResultsStore, machine, progress: Progress = Progress(), memory_limit_bytes: int | None = None, serving: bool = False) -> Outcome:
     """Measure every missing stage of ``plan`` into ``store`` (``runner.run_stages``); with
     ``serving``, a serving stage is listed and skipped with why (the default models have random
     weights)."""
-    ctx = Context(store, machine.backend, chip_spec, Outcome(), progress)
+    ctx = Context(store, machine.backend, machine.spec, Outcome(), progress)
     return run_stages(default_stages(plan, serving), ctx, memory_limit_bytes)
