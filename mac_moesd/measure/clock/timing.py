@@ -93,12 +93,12 @@ def median_ci(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
     return float(ordered[lo - 1]), float(ordered[hi - 1])
 
 
-def median_ci_rel(sorted_values: np.ndarray) -> float:
+def median_ci_rel(values: Sequence[float] | np.ndarray) -> float:
     """``median_ci``'s half-width as a fraction of the median (inf where the median is not positive)."""
-    median = float(np.median(sorted_values))
+    median = float(np.median(values))
     if median <= 0:
         return math.inf
-    low, high = median_ci(sorted_values)
+    low, high = median_ci(values)
     return (high - low) / 2 / median
 
 
@@ -203,7 +203,7 @@ def measure(
             return False
         if n >= budget.max_repeats or spent[key] >= budget.seconds_per_point:
             return True
-        return median_ci_rel(np.sort(samples[key])) <= budget.target_ci
+        return median_ci_rel(samples[key]) <= budget.target_ci
 
     while len(done) < len(points):
         order = [key for key in points if key not in done]

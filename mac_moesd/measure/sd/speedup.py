@@ -308,6 +308,7 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
     def cv(rates):
         return statistics.stdev(rates) / statistics.mean(rates) if len(rates) > 1 else 0.0
 
+    stopped = precision.stop_reason(speedups, math.inf)  # the last pair's reason to stop
     return {
         "tokens_per_s_plain": statistics.median(plain_rates),
         "tokens_per_s_sd": statistics.median(spec_rates),
@@ -321,9 +322,8 @@ def summarise_pairs(plain_out: list[Decoded], plain_times, spec_out: list[Decode
         "measured_ci_method": "order statistics",
         "pooled_tokens_per_round": pooled_tokens_per_round(spec_out),
         "precision": precision.target,
-        "precision_met": (precision.half_width(speedups) <= precision.target
-                          and len(speedups) >= timing.MEDIAN_CI_MIN),
-        "stopped": precision.stop_reason(speedups, math.inf),  # the last pair's reason to stop
+        "precision_met": stopped == "precision",
+        "stopped": stopped,
         "budget_s": precision.budget_s,
     }
 
