@@ -67,6 +67,10 @@ def main() -> int:
                      "--json", "--out", str(out))
     print(f"{args.model} with {args.draft}, context {args.context}: fit chose `{fitted['chosen']}`, held-out "
           f"MAPE {fitted['heldout_mape']:.1%}; SD to +-{float(args.precision):.0%} or {args.budget} s a configuration")
+    start = fitted.get("draft_start") or {}
+    if start.get("points"):
+        print(f"fit's drafter start a round (chains after a verify, {start['points']} timed): "
+              f"{start['a_s'] * 1e3:.3f} ms + {start['b_s'] * 1e3:.4f} ms x B")
     print(f"{'B':>3} {'gamma':>5} {'alpha':>5} {'pairs':>5} {'CV':>5} {'measured S [95% CI]':>22} {'+-':>6} "
           f"{'timed parts':>11} {'error':>7} {'fit':>6} {'error':>7} {'plain/sweep':>11}")
     rows = []

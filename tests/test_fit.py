@@ -10,7 +10,7 @@ import pytest
 from dataclasses import replace
 from click.testing import CliRunner
 
-from mac_moesd.analysis import expert_reads, fit, theory
+from mac_moesd.analysis import expert_reads, fit, round_terms, theory
 from mac_moesd.analysis.fit import inputs as fit_inputs
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
@@ -480,18 +480,16 @@ def test_a_hybrid_target_or_drafter_is_fitted_to_re_forward_its_rollback():
 
 
 def test_the_loops_bookkeeping_term_recovers_a_line_and_is_priced_in_every_round():
-    from mac_moesd.analysis import bookkeeping
-
     # Empty rounds of 0.2 ms + 0.05 ms per sequence, timed at B = 1, 2, 4, 8 (no noise).
-    term = bookkeeping.fit([(b, 0.2e-3 + 0.05e-3 * b) for b in (1, 2, 4, 8)])
+    term = round_terms.fit([(b, 0.2e-3 + 0.05e-3 * b) for b in (1, 2, 4, 8)])
     assert term["a_s"] == pytest.approx(0.2e-3, rel=1e-6) and term["b_s"] == pytest.approx(0.05e-3, rel=1e-6)
     assert term["points"] == 4 and term["mape"] == pytest.approx(0.0, abs=1e-9)
     # Neither part goes below zero: a time that falls with B is a flat line, not a negative slope.
     # Relative residuals: a = sum(1/s) / sum(1/s^2) = (1/0.3 + 1/0.2) / (1/0.09 + 1/0.04) ms.
-    falling = bookkeeping.fit([(1, 0.3e-3), (2, 0.2e-3)])
+    falling = round_terms.fit([(1, 0.3e-3), (2, 0.2e-3)])
     assert falling["b_s"] == pytest.approx(0.0, abs=1e-12)
     assert falling["a_s"] == pytest.approx((1 / 0.3 + 1 / 0.2) / (1 / 0.09 + 1 / 0.04) * 1e-3)
-    assert bookkeeping.fit([]) == bookkeeping.not_timed()
+    assert round_terms.fit([]) == round_terms.not_timed()
     # test_verdict's hand-worked round (hand_fit_doc: T_T(n) = 0.95 + 0.05 n ms, T_D = 0.1 ms):
     # B = 1, gamma 2, alpha 0.5 at context 0 costs 2 x 0.1 + 1.1 = 1.3 ms and gives 1.75 tokens
     # for 1.0 ms a token plain: S = 1.75/1.3. With 0.25 ms of bookkeeping a round: 1.75/1.55.
@@ -505,3 +503,67 @@ def test_the_loops_bookkeeping_term_recovers_a_line_and_is_priced_in_every_round
 
     cost = verdict.round_cost(booked, 1, 2, 0, 0.5)
     assert cost.bookkeeping == pytest.approx(0.25e-3) and cost.round == pytest.approx(1.55e-3)
+
+
+def test_the_drafters_start_after_a_verify_is_recovered_from_its_chains_and_priced_in_every_round():
+    # Chains timed after a verify at gamma 1, 2 and 4 cost the drafter's steps plus 0.4 ms + 0.05 ms
+    # per sequence + 0.1 ms per step after the first (no pipelined points: each step as fitted, T_D(B)).
+    data = synthetic_results(noise=0.0)
+    start = lambda b, g: 0.4e-3 + 0.05e-3 * b + 0.1e-3 * (g - 1)  # noqa: E731
+    data["draft"]["d"]["chain_points"] = {f"{b}x{g}": {"median_s": g * true_draft_time(b) + start(b, g)}
+                                          for b in (1, 2, 4, 8, 16) for g in (1, 2, 4)}
+    inputs = fit.inputs_from_results(data)
+    assert len(inputs.draft_chains) == 15 and fit.NO_CHAINS not in inputs.missing
+    result = fit.fit(inputs)
+    term = result.draft_start
+    assert term["points"] == 15 and term["mape"] < 1e-3
+    assert term["a_s"] == pytest.approx(0.4e-3, rel=1e-2) and term["b_s"] == pytest.approx(0.05e-3, rel=1e-2)
+    assert term["c_s"] == pytest.approx(0.1e-3, rel=1e-2)
+    doc = fit.fit_document(result)
+    assert doc["draft_start"] == term
+    # The stored model prices it once a round, in the drafter's steps: gamma steps + the start.
+    model = fit.FittedModel.from_document(doc)
+    unstarted = dataclasses.replace(model, draft_start=round_terms.not_timed())
+    for b, g in ((1, 2), (4, 4)):
+        steps = float(model.step_times(b, g, L)[2]) * g
+        assert steps == pytest.approx(float(unstarted.step_times(b, g, L)[2]) * g + start(b, g), rel=1e-2)
+    # Without chains the fit says the term is missing and prices none.
+    plain = synthetic_fit_document()
+    assert fit.NO_CHAINS in plain["missing"] and plain["draft_start"] == round_terms.not_timed()
+
+
+def test_a_hand_worked_round_with_the_drafters_start():
+    # hand_fit_doc's round at B = 1, gamma 2, alpha 0.5: 2 x 0.1 + 1.1 = 1.3 ms for 1.75 tokens at
+    # 1.0 ms a plain token. A start of 0.2 ms + 0.1 ms per sequence + 0.05 ms per step after the
+    # first: 0.35 ms a round, 1.65 ms, S = 1.75/1.65.
+    from mac_moesd.analysis import verdict
+
+    doc = hand_fit_doc()
+    doc["draft_start"] = {"a_s": 0.2e-3, "b_s": 0.1e-3, "c_s": 0.05e-3, "points": 4, "mape": 0.0}
+    started = fit.FittedModel.from_document(doc)
+    assert float(started.speedup(1, 2, 0.5, 0)) == pytest.approx(1.75 / 1.65)
+    cost = verdict.round_cost(started, 1, 2, 0, 0.5)
+    assert cost.draft == pytest.approx(0.55e-3) and cost.round == pytest.approx(1.65e-3)
+    # A stored start without c_s (none timed per step) reads as 0 per step.
+    del doc["draft_start"]["c_s"]
+    assert float(fit.FittedModel.from_document(doc).speedup(1, 2, 0.5, 0)) == pytest.approx(1.75 / 1.6)
+    # A self-draft or a drafter step timed elsewhere (an MTP head) pays no start of the fitted drafter.
+    assert float(started.speedup(1, 2, 0.5, 0, draft_step=0.1e-3)) == pytest.approx(1.75 / 1.3)
+    assert round_terms.seconds(fit.FittedModel.from_document(hand_fit_doc()).draft_start, 8) == 0.0
+
+
+def test_a_round_term_fitted_on_differences_weighs_each_by_its_scale():
+    # Residuals on an exact plane are recovered whatever the scale.
+    exact = round_terms.fit_in_gamma([(1, 1, 0.5e-3), (2, 1, 0.6e-3), (4, 1, 0.8e-3), (1, 4, 1.1e-3)],
+                                     scale=[3e-3, 5e-3, 9e-3, 7e-3])
+    assert exact["a_s"] == pytest.approx(0.4e-3) and exact["b_s"] == pytest.approx(0.1e-3)
+    assert exact["c_s"] == pytest.approx(0.2e-3) and exact["mape"] == pytest.approx(0.0, abs=1e-9)
+    assert float(round_terms.seconds(exact, 2, 3)) == pytest.approx(0.4e-3 + 0.2e-3 + 0.4e-3)
+    # A difference below zero (the chain cheaper than its fitted steps) is no negative start:
+    # with b and c at 0, a = sum(r/c^2) / sum(1/c^2) over the points, at least 0.
+    mixed = round_terms.fit_in_gamma([(1, 1, 0.3e-3), (2, 2, -0.1e-3)], scale=[2e-3, 4e-3])
+    assert mixed["b_s"] == pytest.approx(0.0, abs=1e-12) and mixed["c_s"] == pytest.approx(0.0, abs=1e-12)
+    assert mixed["a_s"] == pytest.approx((0.3 / 4 - 0.1 / 16) / (1 / 4 + 1 / 16) * 1e-3)
+    assert round_terms.fit_in_gamma([(1, 1, -0.2e-3), (2, 2, -0.1e-3)], scale=[2e-3, 4e-3])["a_s"] == pytest.approx(0.0, abs=1e-15)
+    # The bookkeeping's line is timed at one draft length: nothing per step.
+    assert round_terms.fit([(1, 0.3e-3), (2, 0.4e-3)])["c_s"] == 0.0

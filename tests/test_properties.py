@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mac_moesd.analysis import acceptance, bookkeeping, cluster, expert_reads, fit, pipelining, theory
+from mac_moesd.analysis import acceptance, cluster, expert_reads, fit, pipelining, round_terms, theory
 from test_fit import hand_fit_doc
 
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None)
@@ -142,7 +142,7 @@ def test_predicted_speedup_rises_with_alpha_and_spans_gamma_plus_1(a1, a2, gamma
     s0, s1 = (float(model.speedup(batch, gamma, a, context, catch_up=False)) for a in (0.0, 1.0))
     assert s1 / s0 == pytest.approx(gamma + 1)
     plain, verify, draft, reject = (float(x) for x in model.step_times(batch, gamma, context))
-    fixed = reject + float(bookkeeping.seconds(model.bookkeeping, batch))
+    fixed = reject + float(round_terms.seconds(model.bookkeeping, batch))
     looped = float(model.speedup(batch, gamma, 1.0, context, catch_up=True))
     assert looped / s0 == pytest.approx((gamma + 1) * (gamma * draft + verify + fixed)
                                         / ((gamma + 1) * draft + verify + fixed))

@@ -130,6 +130,11 @@ def test_draft_and_reject_steps(tmp_path):
     assert all(p["median_s"] > 0 for p in doc["reject"]["bookkeeping_points"])
     (stored,) = json.loads((tmp_path / "r.json").read_text())["reject"].values()
     assert sorted(stored["bookkeeping_points"]) == ["1x5", "2x5"]
+    # the drafter's chains after a verify of the whole target, at gamma 1 and the sweep's 4
+    assert [(p["batch"], p["gamma"]) for p in doc["draft"]["chain_points"]] == [(1, 1), (1, 2), (1, 4), (2, 1),
+                                                                                 (2, 2), (2, 4)]
+    (drafter,) = json.loads((tmp_path / "r.json").read_text())["draft"].values()
+    assert sorted(drafter["chain_points"]) == ["1x1", "1x2", "1x4", "2x1", "2x2", "2x4"]
 
 
 def test_saved_model_with_weights_loads_through_mlx_lm(tmp_path):
@@ -220,3 +225,71 @@ def test_sweep_records_both_timings_at_every_point(tmp_path):
     # Kept on a rerun: nothing is measured again.
     again = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
     assert [r["pipelined"]["median_s"] for r in again["points"]] == [r["pipelined"]["median_s"] for r in doc["points"]]
+
+
+class Recording:
+    """A model that notes which of two models ran, and with how many tokens, in one shared log."""
+
+    def __init__(self, model, name: str, log: list):
+        self.model, self.name, self.log = model, name, log
+
+    def __call__(self, x, cache=None):
+        self.log.append((self.name, x.shape[1]))
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, attr):
+        return getattr(self.model, attr)
+
+
+def test_a_drafters_chain_is_timed_after_a_verify_of_the_target_and_kept_on_a_rerun(tmp_path):
+    from mac_moesd.measure.forward import draft_chain
+    from mac_moesd.progress import Progress
+    import random
+
+    target, draft = (models.build(models.resolve(name), seed=0) for name in ("tiny-moe", "tiny-draft"))
+    for built in (target, draft):
+        built.materialise()
+    log: list = []
+    target.model, draft.model = Recording(target.model, "target", log), Recording(draft.model, "draft", log)
+    entry: dict = {}
+    saves = []
+    draft_chain.measure_chains(target, draft, (1, 2), 3, 16, entry, TINY_BUDGET, lambda: saves.append(1),
+                               Progress(), random.Random(0))
+    assert sorted(entry["chain_points"]) == ["1x1", "1x2", "1x3", "2x1", "2x2", "2x3"] and len(saves) == 6
+    assert all(m["median_s"] > 0 and m["repeats"] == 3 for m in entry["chain_points"].values())
+    # After the prefills, every sample: a verify of gamma + 1 tokens, then gamma one-token drafter steps.
+    samples = log[2:]  # the two prefills
+    verifies = [i for i, (who, _) in enumerate(samples) if who == "target"]
+    assert len(verifies) == 6 * 3
+    for i in verifies:
+        gamma = samples[i][1] - 1
+        assert samples[i + 1 : i + 1 + gamma] == [("draft", 1)] * gamma
+    assert [row["gamma"] for row in draft_chain.chain_rows(entry)] == [1, 2, 3, 1, 2, 3]
+    assert all("samples_s" not in row for row in draft_chain.chain_rows(entry))
+    # Kept: nothing runs again.
+    log.clear()
+    draft_chain.measure_chains(target, draft, (1, 2), 3, 16, entry, TINY_BUDGET, lambda: None, Progress(),
+                               random.Random(0))
+    assert log == []
+
+
+def test_chains_are_skipped_and_said_so_where_target_and_drafter_do_not_fit_together(tmp_path):
+    from mac_moesd.measure.forward import draft_chain  # noqa: F401  (the module the sweep calls)
+    from mac_moesd.progress import Progress
+    import random
+
+    class Steps(Progress):
+        def __init__(self):
+            self.labels = []
+
+        def advance(self, label):
+            self.labels.append(label)
+
+    cfg = small_sweep("tiny-moe", draft="tiny-draft")
+    target = models.build(models.resolve("tiny-moe"), seed=0)
+    store = ResultsStore(tmp_path / "r.json", META)
+    progress = Steps()
+    sweep.measure_chains_with(target, 1000, cfg, models.resolve("tiny-draft"), store, 1001, progress, random.Random(0))
+    (entry,) = store.data["draft"].values()
+    assert "chain_points" not in entry and "is usable" in entry["chains_skipped"]
+    assert len(progress.labels) == 2 and all("skipped" in label for label in progress.labels)

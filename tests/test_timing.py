@@ -49,6 +49,29 @@ def test_measure_evaluates_resets_and_stops_on_ci():
     assert m["warmups"] == 2
 
 
+def test_what_runs_before_a_sample_is_not_timed(monkeypatch):
+    # A fake clock that only the sample's evaluation moves: 5 s pass in ``before``, 1 s in ``run``.
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    order = []
+
+    def before():
+        order.append("before")
+        now[0] += 5.0
+
+    def run():
+        order.append("run")
+        now[0] += 1.0
+        return mx.ones((2,))
+
+    point = timing.Point(run, reset=lambda: order.append("reset"), before=before)
+    assert timing.time_once(point) == 1.0
+    assert order == ["before", "run", "reset"]
+    # run_untimed is what ``before`` does with a point: it runs, evaluates and resets it.
+    timing.run_untimed(timing.Point(run, reset=lambda: order.append("reset")))
+    assert order[3:] == ["run", "reset"]
+
+
 def test_grouped_points_are_visited_back_to_back_every_round():
     visits = []
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mac_moesd.analysis import acceptance, bookkeeping, break_even, spec_runs, theory
+from mac_moesd.analysis import acceptance, break_even, round_terms, spec_runs, theory
 from mac_moesd.analysis.fit import DEFAULT_VERIFY, FittedModel
 
 __all__ = ["RoundCost", "TERMS", "agreement", "best_gamma", "break_even_accepted", "break_even_alpha",
@@ -53,7 +53,7 @@ def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: 
     rollback = model.rollback_time(batch, gamma, alpha, context)
     fed = float(model.catch_up(batch, gamma, alpha))  # the drafter fed its last draft (FittedModel.speedup)
     return RoundCost(float(plain), float(verify_s), (gamma + fed) * float(draft_step), float(reject),
-                     float(rollback), float(bookkeeping.seconds(model.bookkeeping, batch)))
+                     float(rollback), float(round_terms.seconds(model.bookkeeping, batch)))
 
 
 def best_gamma(model: FittedModel, batch: int, alpha: float, context: int,
@@ -165,7 +165,7 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float |
         ratios["rollback"] = (float(model.rollback_time(run["batch"], gamma, realised, context))
                               / measured["rollback_s"])
     if model.bookkeeping["points"] and measured.get("bookkeeping_s"):
-        ratios["bookkeeping"] = float(bookkeeping.seconds(model.bookkeeping, run["batch"])) / measured["bookkeeping_s"]
+        ratios["bookkeeping"] = float(round_terms.seconds(model.bookkeeping, run["batch"])) / measured["bookkeeping_s"]
     ratios = {k: v for k, v in ratios.items() if v is not None}
     term = max(ratios, key=lambda k: abs(ratios[k] - 1))
     return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}

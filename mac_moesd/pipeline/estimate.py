@@ -23,7 +23,7 @@ from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models, zoo
 from mac_moesd.measure.clock import timing
 from mac_moesd.measure.experts import routing
-from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.forward import draft_chain, sweep
 from mac_moesd.measure.peaks import roofline
 from mac_moesd.measure.sd import speedup
 from mac_moesd.analysis import theory
@@ -124,13 +124,14 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
     return max(moved / rates.bandwidth_bytes_s, flop / rates.flops)
 
 
-def point_seconds(t: float, budget: timing.Budget) -> float:
+def point_seconds(t: float, budget: timing.Budget, untimed: float = 0.0) -> float:
     """What timing.measure spends on a point whose call takes ``t``: warm-ups, then visits of
-    ``per_visit`` samples until min_repeats and the time budget (or max_repeats) are reached."""
+    ``per_visit`` samples until min_repeats and the time budget (or max_repeats) are reached;
+    ``untimed``: what each call runs before its clock starts (``timing.Point.before``)."""
     n = 0
     while n < budget.min_repeats or (n < budget.max_repeats and n * t < budget.seconds_per_point):
         n += budget.per_visit
-    return (budget.warmup + n) * t
+    return (budget.warmup + n) * (t + untimed)
 
 
 def grid_point_seconds(t: float, budget: timing.Budget, tokens: int) -> float:
@@ -198,6 +199,10 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) 
         seconds += sum(grid_point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget, 1)
                        for b in plan.batches)
         models_used.append(cfg.draft)
+        together = need["peak_bytes"] + parts[-1]["peak_bytes"]
+        if len(slices) == 1 and (usable is None or together <= usable):  # as sweep.measure_chains_with
+            seconds += _chain_seconds(models.build(source, dtype, plan.bits), draft, rates, plan, cfg.gamma)
+            peak = max(peak, together)
     vocab = source.config["vocab_size"]
     peak = max(peak, memory.rejection_bytes(vocab, max(plan.batches), cfg.gamma))
     seconds += sum(point_seconds(memory.rejection_bytes(vocab, b, cfg.gamma) / rates.bandwidth_bytes_s,
@@ -209,6 +214,16 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) 
     return {"stage": f"sweep {name}", "models": models_used, "layers": slices, "layers_full": full,
             "extrapolated": len(slices) > 1, "grid": {"batch": list(plan.batches), "tokens": list(plan.tokens)},
             "context": plan.context, "slices": parts, "peak_bytes": peak, "eta_s": seconds}
+
+
+def _chain_seconds(target, draft, rates: Rates, plan: Plan, gamma: int) -> float:
+    """The drafter's chains after a verify (``draft_chain``): both models prefilled again, then
+    each chain timed after an untimed verify of the target."""
+    big, context = max(plan.batches), plan.context
+    seconds = prefill_seconds(target, rates, big, context) + prefill_seconds(draft, rates, big, context)
+    return seconds + sum(point_seconds(g * forward_seconds(draft, rates, b, 1, context), plan.budget,
+                                       untimed=forward_seconds(target, rates, b, g + 1, context))
+                         for b in plan.batches for g in draft_chain.chain_gammas(gamma))
 
 
 def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, source: models.ModelSource,

@@ -17,7 +17,7 @@ from mac_moesd.analysis import fit as fit_module
 from mac_moesd.reporting import pair_sections, plots
 from mac_moesd.reporting.cluster_section import cluster_blocks
 from mac_moesd.reporting.serving_section import draw as draw_serving, serving_blocks
-from mac_moesd.analysis import expert_reads, spec_runs, theory, verdict
+from mac_moesd.analysis import expert_reads, round_terms, spec_runs, theory, verdict
 from mac_moesd.analysis.digest import VERIFY_WINDOW, Digest
 from mac_moesd.results import parse_point_key
 from mac_moesd.reporting.formatting import (ROUND_HEADER, invalid_lines, lookup_lines, measured_speedup, plain_vs_sweep,
@@ -342,7 +342,7 @@ def _fit(d: Digest, figures: dict[str, Path]) -> list[Block]:
                        "`mlx` switches from pairs to unique at mlx-lm's sort threshold."))
         blocks += [("p", line[0].upper() + line[1:] + ".")
                    for line in pipelining_lines(f.get("pipelining")) + one_row_lines(f) + kv_lines(f)
-                   + _recurrence_lines(f) + _bookkeeping_lines(f)]
+                   + _recurrence_lines(f) + _bookkeeping_lines(f) + _draft_start_lines(f)]
         rows = [[k, "-" if v is None else f"{v:.4g}"] for k, v in p.items()] + [
             ["k_kv", f"{f['k_kv']:.4g}"], ["k_seq", f"{f.get('k_seq', 0.0):.4g}"],
             *([["k_rec", f"{f['k_rec']:.4g}"]] if f.get("linear_layers") else [])]
@@ -381,6 +381,22 @@ def _bookkeeping_lines(f: dict) -> list[str]:
         cost = verdict.round_cost(model, 1, 4, f["context"], TYPICAL_ALPHA)
         text += f": {cost.bookkeeping / cost.round:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"
     return [text]
+
+
+def _draft_start_lines(f: dict) -> list[str]:
+    """The fit's term for the drafter's start after a verify, and its share of a batch-1 round."""
+    start = f.get("draft_start") or {}
+    if not start.get("points"):
+        return []
+    text = (f"the drafter's chain right after the target's verify, as a round runs it, costs beyond its fitted "
+            f"steps (chains the sweep timed after a verify, {start['points']} of them) "
+            f"T_start(B, gamma) = {start['a_s'] * 1e3:.3f} ms + {start['b_s'] * 1e3:.4f} ms x B + "
+            f"{start.get('c_s', 0.0) * 1e3:.3f} ms x (gamma - 1) (MAPE {pct(start['mape'])} of a chain), "
+            f"priced in every predicted round")
+    model = fit_module.FittedModel.from_document(f)
+    cost = verdict.round_cost(model, 1, 4, f["context"], TYPICAL_ALPHA)
+    share = float(round_terms.seconds(model.draft_start, 1, 4)) / cost.round
+    return [text + f": {share:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"]
 
 
 def _recurrence_lines(f: dict) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from mac_moesd.results import schema
 
 __all__ = [
-    "DRAFTER_KINDS", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
+    "CHAINS_SKIPPED", "CHAIN_POINTS", "DRAFTER_KINDS", "chain_points", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
     "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_document_key", "routing_key",
     "routing_key_model", "serving_key", "spec_document_key", "spec_key", "spec_key_parts", "sweep_key", "sweep_key_variant",
 ]
@@ -39,6 +39,16 @@ def parse_point_key(key: str) -> tuple[int, int]:
     """(batch, tokens) of a ``point_key``."""
     batch, tokens = key.split("x")
     return int(batch), int(tokens)
+
+
+# A drafter entry's chains timed after the target's verify (``measure.forward.draft_chain``), keyed
+# ``point_key(batch, gamma)``: gamma one-token steps; and why a sweep timed none.
+CHAIN_POINTS, CHAINS_SKIPPED = "chain_points", "chains_skipped"
+
+
+def chain_points(entry: dict) -> list[tuple[int, int, float]]:
+    """(batch, gamma, median seconds of the chain) of a drafter entry, sorted; none before they were timed."""
+    return sorted((*parse_point_key(key), float(m["median_s"])) for key, m in entry.get(CHAIN_POINTS, {}).items())
 
 
 def sweep_key(model: str, weight_format: str, context: int, layers: int, routing: str = "model",

@@ -328,6 +328,8 @@ class SweepEntry(TypedDict, total=False):
     kv_points: dict[str, dict[str, Measurement]]  # second context -> point_key -> point
     kv_twins: dict[str, dict[str, Measurement]]
     kv_untrimmable: bool
+    chain_points: dict[str, Measurement]  # a drafter's chains after a verify, keyed point_key(batch, gamma)
+    chains_skipped: str  # why a drafter's chains were not timed
     drift: Drift | None
     memory: Memory
     thermal_pressure: ThermalPressure
@@ -510,11 +512,13 @@ class FitCluster(ClusterShape, total=False):
     rows: list[ClusterRow]
 
 
-class BookkeepingTerm(TypedDict, total=False):
-    """The fit's term for the SD loop's own work a round: T_book(B) = a_s + b_s * B."""
+class RoundTerm(TypedDict, total=False):
+    """A term of the fit a round, T(B, gamma) = a_s + b_s * B + c_s * (gamma - 1): the SD loop's
+    bookkeeping (c_s 0), the drafter's start."""
     a_s: float
     b_s: float
-    points: int  # batches of the sweep's empty-round timing (0: not timed, the term is zero)
+    c_s: float  # per draft step beyond the first (absent in fits made before it: 0)
+    points: int  # the sweep's timings it was fitted to (0: none timed, the term is zero)
     mape: float | None
 
 
@@ -545,7 +549,8 @@ class FitDocument(TypedDict, total=False):
     variants: list[Variant]
     missing: list[str]
     pipelining: Pipelining
-    bookkeeping: BookkeepingTerm
+    bookkeeping: RoundTerm
+    draft_start: RoundTerm  # the drafter's chain after the verify, beyond its fitted steps
     routing: FitRouting
     one_row: OneRow | None
     params: dict[str, float | None]

@@ -35,6 +35,11 @@ only where the sweep's footprint counts linear-attention or Mamba layers, and he
 A sharded sweep (``sweep --parallel``) adds its measured communication term C(n)
 (``analysis.cluster``) to T_T, fixed, not fitted; the document then has a ``cluster`` section.
 
+Two terms a round come from lines through what the sweep timed beside the grid
+(``analysis.round_terms``): the SD loop's bookkeeping (an empty round) and the drafter's start
+(its chains timed right after a verify of the target, less the steps the fitted drafter prices
+for them), each a + b*B seconds a round.
+
 The package, split by what changes together: ``inputs`` reads a results file into ``FitInputs``;
 ``solve`` fits (bounds, least squares, variants, held-out error); ``model`` is the fitted model and
 its predictions; ``document`` writes the fit into the results file and reads stored fits back.
@@ -45,18 +50,18 @@ from mac_moesd.analysis.fit.document import (FitPredictor, RunPrediction, cluste
                                              fit_document, kv_section, lookup_predictor, model_prediction,
                                              predictor_for, run_alpha, run_context, speedup_predictor, store_fit,
                                              sweep_plain_step)
-from mac_moesd.analysis.fit.inputs import (DEFAULT_VERIFY, NO_DRAFT, NO_PIPELINED, NO_REJECT, NO_SECOND_CONTEXT,
+from mac_moesd.analysis.fit.inputs import (DEFAULT_VERIFY, NO_CHAINS, NO_DRAFT, NO_PIPELINED, NO_REJECT, NO_SECOND_CONTEXT,
                                            ONE_CONTEXT_ONLY, FitInputs, inputs_from_results, mlx_sort_threshold)
 from mac_moesd.analysis.fit.model import (DEFAULT_ALPHAS, DEFAULT_BATCHES, DEFAULT_GAMMAS, FitResult, FittedModel,
                                           VariantFit, paper_comparison, peaks, predict, sparsity_sweep,
                                           verify_tokens)
-from mac_moesd.analysis.fit.solve import (BANDWIDTH_SLACK, REGIMES, bounds_for, fit, fit_variant,
+from mac_moesd.analysis.fit.solve import (BANDWIDTH_SLACK, REGIMES, bounds_for, draft_start, fit, fit_variant,
                                           measure_pipelining, regime, split)
 
 __all__ = [
-    "BANDWIDTH_SLACK", "DEFAULT_ALPHAS", "DEFAULT_BATCHES", "DEFAULT_GAMMAS", "DEFAULT_VERIFY", "NO_DRAFT",
+    "BANDWIDTH_SLACK", "DEFAULT_ALPHAS", "DEFAULT_BATCHES", "DEFAULT_GAMMAS", "DEFAULT_VERIFY", "NO_CHAINS", "NO_DRAFT",
     "NO_PIPELINED", "NO_REJECT", "NO_SECOND_CONTEXT", "ONE_CONTEXT_ONLY", "REGIMES", "FitInputs", "FitResult",
-    "FittedModel", "VariantFit", "bounds_for", "cluster_section", "decoding_context", "fit", "fit_document",
+    "FittedModel", "VariantFit", "bounds_for", "cluster_section", "decoding_context", "draft_start", "fit", "fit_document",
     "fit_variant", "inputs_from_results", "kv_section", "lookup_predictor", "measure_pipelining",
     "mlx_sort_threshold", "paper_comparison", "peaks", "predict", "predictor_for", "regime", "run_alpha",
     "run_context", "model_prediction", "FitPredictor", "RunPrediction", "sparsity_sweep",

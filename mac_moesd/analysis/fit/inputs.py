@@ -13,10 +13,10 @@ from mac_moesd.analysis.depth import depth_entries, full_depth_points, second_co
 from mac_moesd.analysis.digest import Digest
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.machine.chips import lookup_spec
-from mac_moesd.results import parse_point_key, point_key
+from mac_moesd.results import keys, parse_point_key, point_key
 
 __all__ = ["DEFAULT_VERIFY", "FitInputs", "NO_DRAFT", "NO_PIPELINED", "NO_REJECT", "NO_SECOND_CONTEXT",
-           "ONE_CONTEXT_ONLY", "inputs_from_results", "mlx_sort_threshold"]
+           "NO_CHAINS", "ONE_CONTEXT_ONLY", "inputs_from_results", "mlx_sort_threshold"]
 
 DEFAULT_VERIFY = "gamma+1"  # what the measured loops and mlx-lm feed the target; MoESD writes gamma
 NO_DRAFT = "speedups need the drafter step T_D(B,1): rerun the sweep with --draft DRAFT"
@@ -28,6 +28,9 @@ ONE_CONTEXT_ONLY = ("the model's KV cache could not go back to a shorter context
 NO_SECOND_CONTEXT = ("no one-token points at a second context: the KV term k_kv*B*L also carries every "
                      "cost per sequence, so predictions at other contexts overstate its growth; rerun "
                      "the sweep (it times them at a quarter of --context unless --kv-context 0)")
+NO_CHAINS = ("no drafter chains timed after a verify of the target: the drafter's start a round is not "
+             "priced; a sweep with --draft times them where the whole target and the drafter fit in memory "
+             "together on one machine")
 NO_PIPELINED = ("no pipelined timings in this sweep (made before they were recorded): predictions use "
                 "synchronous forwards for plain decode and drafter steps too; rerun the sweep to add them")
 
@@ -82,6 +85,7 @@ class FitInputs:
     reforward: tuple[str, ...] = ()  # models whose rollback re-forwards (``_re_forwards``)
     linear_layers: int = 0  # the target's recurrent (linear-attention, Mamba2) layers: k_rec's multiplier
     bookkeeping: tuple[tuple[int, float], ...] = ()  # (batch, seconds): the SD loop's empty round
+    draft_chains: tuple[tuple[int, int, float], ...] = ()  # (batch, gamma, seconds): chains after a verify
 
     @property
     def drafted(self) -> bool:
@@ -137,6 +141,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])] if side else [],
         bookkeeping=tuple((b, s) for b, _, s in _as_pairs(
             next((e["bookkeeping_points"] for e in rejects if e.get("bookkeeping_points")), {}))),
+        draft_chains=tuple(keys.chain_points(side)) if side else (),
         context=full["context"],
         draft_model=draft["model"] if draft else None,
         extrapolated=extrapolated,
@@ -193,6 +198,9 @@ def _missing(view, draft: dict | None, rejects: list, ridge: float | None, bandw
         missing.append(NO_DRAFT)
     if draft is not None and not rejects:
         missing.append(NO_REJECT)
+    if draft is not None and rejects and not keys.chain_points(draft):
+        why = draft.get(keys.CHAINS_SKIPPED)
+        missing.append(NO_CHAINS + (f" (this sweep: {why})" if why else ""))
     if ridge is None:
         missing.append("no roofline and no published FLOPS for this chip: the knee is fitted within "
                        "the grid; run `mac-moesd roofline` to anchor it")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mac_moesd.analysis import bookkeeping, break_even, cluster, expert_reads, one_row, pipelining, theory
+from mac_moesd.analysis import break_even, cluster, expert_reads, one_row, pipelining, round_terms, theory
 from mac_moesd.analysis.fit.inputs import DEFAULT_VERIFY, NO_DRAFT, FitInputs
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import schema
@@ -46,11 +46,13 @@ class FittedModel:
     # Which models re-forward the kept tokens when a round rolls back (a recurrent state cannot
     # trim, docs/design.md §4.7): ``target`` and/or ``draft``; none for plain KV caches.
     reforward: tuple[str, ...] = ()
-    bookkeeping: schema.BookkeepingTerm = field(default_factory=bookkeeping.not_timed)  # the SD loop's own work a round (zero: not timed)
+    bookkeeping: schema.RoundTerm = field(default_factory=round_terms.not_timed)  # the SD loop's own work a round (zero: not timed)
     # The recurrent layers' sequential state update: seconds per token per layer, whatever the
     # batch (``linear_layers`` of them; 0 on a model without one).
     k_rec: float = 0.0
     linear_layers: int = 0
+    # The drafter's chain after the target's verify, beyond its fitted steps, a round (zero: not timed).
+    draft_start: schema.RoundTerm = field(default_factory=round_terms.not_timed)
 
     def target(self, batch, tokens, context: float, pipelined: bool = False, comm: bool = True,
                active=None) -> np.ndarray:
@@ -94,7 +96,7 @@ class FittedModel:
         reject_s = fitted_reject if reject is None or self.drafted else reject
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
         fed = self.catch_up(batch, gamma, alpha, catch_up)
-        per_round = reject_s + rollback + bookkeeping.seconds(self.bookkeeping, batch) + fed * draft
+        per_round = reject_s + rollback + round_terms.seconds(self.bookkeeping, batch) + fed * draft
         return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
 
     @staticmethod
@@ -120,7 +122,7 @@ class FittedModel:
         verify = float(np.mean(self.target(batch, np.asarray(widths) + 1, context)))
         rollback = (rolled_back_share * float(self.target(batch, tokens_per_round, context))
                     if "target" in self.reforward else 0.0)
-        return tokens_per_round * plain / (lookup_s + verify + rollback + float(bookkeeping.seconds(self.bookkeeping, batch)))
+        return tokens_per_round * plain / (lookup_s + verify + rollback + float(round_terms.seconds(self.bookkeeping, batch)))
 
     def rollback_time(self, batch, gamma: int, alpha: float, context: float, self_draft: bool = False,
                       comm: bool = True, drafter_trims: bool = False) -> np.ndarray:
@@ -150,7 +152,8 @@ class FittedModel:
                    self_draft: bool = False, comm: bool = True,
                    draft_step: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, np.ndarray]:
         """(plain step, verify forward, mean draft step, rejection sampling) of a round, each as
-        the loops run it; a round costs gamma draft steps + the verify + rejection sampling.
+        the loops run it; a round costs gamma draft steps + the verify + rejection sampling. A
+        fitted drafter's mean step carries its share of the chain's start after the verify.
         ``draft_step``: the drafter's step as timed elsewhere, which needs no fitted drafter."""
         if not self.drafted and draft_step is None:
             raise MacMoesdError(NO_DRAFT)
@@ -163,9 +166,14 @@ class FittedModel:
             draft = pipelining.draft_step(self.target(batch, 1, context, comm=comm),
                                           self.pipelining["target_s"], gamma)
         else:
-            draft = pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
-                                          self.pipelining["draft_s"], gamma)
+            draft = (self.drafter_chain(batch, gamma) + round_terms.seconds(self.draft_start, batch, gamma)) / gamma
         return plain, verify_t, draft, self.params.reject_time(batch)
+
+    def drafter_chain(self, batch, gamma: int) -> np.ndarray:
+        """The fitted drafter's gamma steps of a round, the first synchronous and the rest
+        pipelined, without the start the chain pays after a verify (``draft_start``)."""
+        return gamma * pipelining.draft_step(self.params.draft_time(batch, self.ridge_tokens),
+                                             self.pipelining["draft_s"], gamma)
 
     @classmethod
     def from_document(cls, doc: dict, variant: str | None = None) -> FittedModel:
@@ -180,7 +188,8 @@ class FittedModel:
                    cluster.CommTerm.from_dict(comm) if comm else None,
                    expert_reads.Routing.from_dict(doc.get("routing")),
                    doc.get("one_row") or None, v.get("k_seq", 0.0), tuple(doc.get("reforward", ())),
-                   bookkeeping.from_stored(doc.get("bookkeeping")), v.get("k_rec", 0.0), doc.get("linear_layers", 0))
+                   round_terms.from_stored(doc.get("bookkeeping")), v.get("k_rec", 0.0), doc.get("linear_layers", 0),
+                   round_terms.from_stored(doc.get("draft_start")))
 
 
 @dataclass(frozen=True)
@@ -205,7 +214,8 @@ class FitResult:
     chosen: str
     inputs: FitInputs = field(repr=False)
     pipelining: schema.Pipelining = field(default_factory=pipelining.not_measured)
-    bookkeeping: schema.BookkeepingTerm = field(default_factory=bookkeeping.not_timed)
+    bookkeeping: schema.RoundTerm = field(default_factory=round_terms.not_timed)
+    draft_start: schema.RoundTerm = field(default_factory=round_terms.not_timed)
 
     def variant(self, name: str) -> VariantFit:
         return next(v for v in self.variants if v.name == name)
@@ -238,7 +248,7 @@ class FitResult:
         row = one_row.from_points(i.context, i.target, i.target_pipelined) if timed_one_row else None
         return FittedModel(v.params, v.k_kv, i.experts, i.top_k, i.ridge_tokens, v.name,
                            i.sort_threshold, i.drafted, self.pipelining, i.comm, i.routing, row, v.k_seq,
-                           i.reforward, self.bookkeeping, v.k_rec, i.linear_layers)
+                           i.reforward, self.bookkeeping, v.k_rec, i.linear_layers, self.draft_start)
 
 
 def predict(
@@ -265,7 +275,7 @@ def predict(
             s = (model.speedup(b, gamma, alpha, context, verify) if model.drafted
                  else [None] * len(batches))
             # The round's costs besides its forwards: the rollback and the loop's bookkeeping.
-            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context) + bookkeeping.seconds(model.bookkeeping, b),
+            rollback = np.broadcast_to(model.rollback_time(b, gamma, alpha, context) + round_terms.seconds(model.bookkeeping, b),
                                        b.shape)
             rows += [{"batch": int(bb), "gamma": gamma, "alpha": alpha,
                       "speedup": None if v is None else float(v), "target_efficiency": float(e),

@@ -10,13 +10,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy.optimize import least_squares
 
-from mac_moesd.analysis import bookkeeping, pipelining, theory
+from mac_moesd.analysis import pipelining, round_terms, theory
 from mac_moesd.analysis.fit.inputs import FitInputs
 from mac_moesd.analysis.fit.model import FitResult, FittedModel, VariantFit
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.results import schema
 
-__all__ = ["BANDWIDTH_SLACK", "REGIMES", "bounds_for", "fit", "fit_variant", "measure_pipelining", "regime",
+__all__ = ["BANDWIDTH_SLACK", "REGIMES", "bounds_for", "draft_start", "fit", "fit_variant", "measure_pipelining", "regime",
            "split"]
 
 HOLDOUT_EVERY = 3  # every third target point is held out (MoESD fitted on every 11th of 228)
@@ -45,8 +45,21 @@ def fit(inputs: FitInputs, variants: tuple[str, ...] = theory.EXPERT_LOADS) -> F
     fitted = [fit_variant(inputs, name) for name in variants]
     scored = [(v.heldout_mape, v) for v in fitted if v.heldout_mape is not None]
     chosen = min(scored, key=lambda mv: mv[0])[1] if scored else fitted[0]
-    result = FitResult(fitted, chosen.name, inputs, bookkeeping=bookkeeping.fit(list(inputs.bookkeeping)))
-    return replace(result, pipelining=measure_pipelining(result))
+    result = FitResult(fitted, chosen.name, inputs, bookkeeping=round_terms.fit(list(inputs.bookkeeping)))
+    result = replace(result, pipelining=measure_pipelining(result))
+    return replace(result, draft_start=draft_start(result))
+
+
+def draft_start(result: FitResult) -> schema.RoundTerm:
+    """The drafter's start a round: the chains the sweep timed after a verify less the steps the
+    fitted drafter prices for them (``FittedModel.drafter_chain``), linear in B and gamma, each
+    scaled by its chain (``round_terms.fit_in_gamma``); zero without chains or a fitted drafter."""
+    chains = result.inputs.draft_chains
+    if not chains or not result.inputs.drafted:
+        return round_terms.not_timed()
+    model = result.model(timed_one_row=False)
+    beyond = [(b, g, s - float(model.drafter_chain(b, g))) for b, g, s in chains]
+    return round_terms.fit_in_gamma(beyond, scale=[s for _, _, s in chains])
 
 
 def regime(result: FitResult) -> str:

@@ -27,7 +27,7 @@ from mac_moesd.results import schema
 from mac_moesd.results.schema import Measurement
 
 __all__ = ["Budget", "Measurement", "Point", "Ranks", "calibrate", "drift", "launches",
-           "finite_time", "measure", "MEDIAN_CI_MIN", "median_ci", "median_ci_rel", "per_launch", "summarise", "synchronised"]
+           "finite_time", "measure", "run_untimed", "MEDIAN_CI_MIN", "median_ci", "median_ci_rel", "per_launch", "summarise", "synchronised"]
 
 DRIFT_THRESHOLD = 0.03  # a reference point moving more than this between start and end is flagged
 SHORT_SAMPLE_S = 1e-3  # below this, launch overhead and timer resolution weigh on the value
@@ -43,11 +43,14 @@ class Point:
 
     With ``build_untimed``, ``run`` only builds the lazy graph and is called before the clock
     starts, so the timed region is the evaluation alone (for K launches of a short kernel).
+    ``before`` runs untimed ahead of each sample, to leave the machine as the loop being timed
+    leaves it (a drafter's chain after the target's verify: ``draft_chain``).
     """
 
     run: Callable[[], Any]
     reset: Callable[[], None] | None = None
     build_untimed: bool = False
+    before: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ def synchronised(ranks: Ranks) -> Iterator[None]:
 
 def time_once(point: Point) -> float:
     ranks = _ranks
+    if point.before is not None:
+        point.before()
     graph = point.run() if point.build_untimed else None
     if ranks is not None:
         ranks.barrier()
@@ -161,6 +166,14 @@ def time_once(point: Point) -> float:
     if point.reset is not None:
         point.reset()
     return elapsed
+
+
+def run_untimed(point: Point) -> None:
+    """One call of ``point``, evaluated and reset, on no clock: what a timed loop runs between
+    the parts it times (``Point.before``)."""
+    mx.eval(point.run())
+    if point.reset is not None:
+        point.reset()
 
 
 RETIMES = 3  # tries for a sample that came out non-finite (a rank's report lost, a clock fault)

@@ -6,7 +6,7 @@ the verify's logits, the round's one synchronisation, the acceptance decision an
 pending and emitted tokens. That last part is timed here on stand-in arrays of a round's shapes,
 through the functions the suite's loop calls (``sd_loop.accept``, ``advance``), beside each SD
 pair (``round_parts``) and at every batch of a sweep with a drafter (``sweep.measure_reject``), so
-that the fit prices it as a term of its own (``analysis.bookkeeping``). mlx-lm's batch-1
+that the fit prices it as a term of its own (``analysis.round_terms``). mlx-lm's batch-1
 ``speculative_generate_step`` is a closed generator whose round cannot be run empty: a replica of
 its per-round Python stands in for it (``mlx_lm_bookkeeping``).
 """

@@ -40,13 +40,13 @@ from mac_moesd.measure.experts.routing_control import SweepRouting, check_agains
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.progress import Progress
 from mac_moesd.results import ResultsStore, keys, parse_point_key, point_key, schema
-from mac_moesd.measure.decoding.sampling import random_ids, rejection_sample
 from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point
+from mac_moesd.measure.forward import draft_chain
+from mac_moesd.measure.forward.points import PIPELINED_STEPS, forward_point, pipelined_point, reject_point
 from mac_moesd.measure.decoding.sd_loop import sample
 
 __all__ = ["SweepConfig", "plan_layers", "resolve_sources", "run_sweep"]
 
-PIPELINED_STEPS = 8  # forwards per pipelined sample of t > 1 tokens (verify-sized windows)
 # The second context is the first over this. The KV term's share of a step is small (on the CPU
 # backend at L = 64, 0.2-1.2 us per cached token per sequence against 10-35 ms steps), so the
 # difference between the two contexts is what identifies it, and a wider gap stands further above
@@ -148,23 +148,6 @@ def plan_layers(source: models.ModelSource, cfg: SweepConfig, available: int | N
 # ---- one model at one slice ----
 
 
-def forward_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
-                  control: SweepRouting | None = None, inputs: mx.array | None = None) -> timing.Point:
-    """One grid point, fed ``inputs`` (default: random ids); with ``control`` its routing is
-    prepared here, before any timing."""
-    if inputs is None:
-        inputs = mx.random.randint(0, vocab, (batch, tokens))
-    mx.eval(inputs)
-
-    def run():
-        return model(inputs, cache=cache.cache), cache.state()
-
-    if control is None:
-        return timing.Point(run=run, reset=lambda: cache.rollback(tokens))
-    control.prepare(batch, tokens, run, lambda: cache.rollback(tokens))
-    return timing.Point(run=lambda: control.run(batch, tokens, run), reset=lambda: cache.rollback(tokens))
-
-
 def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
     """The routing control of an MoE model's grid; None where there is no switch to count."""
     if not built.footprint["experts"] or not routing.switch_modules(built.model):
@@ -172,45 +155,6 @@ def routing_for(built: models.Built, cfg: SweepConfig) -> SweepRouting | None:
     assert built.footprint["top_k"] is not None  # set with experts (zoo.expert_shape)
     return SweepRouting(built.model, parse_routing(cfg.routing), cfg.gather, built.footprint["experts"],
                         built.footprint["top_k"], cfg.seed)
-
-
-def pipelined_point(model, cache: RolledBackCache, batch: int, tokens: int, vocab: int,
-                    control: SweepRouting | None = None, steps: int = PIPELINED_STEPS) -> timing.Point:
-    """``steps`` forwards of B x t tokens, each fed ids drawn from the previous one's argmax (a real
-    data dependency, as in decoding; random ids, as the synchronous points are fed, since a
-    random-weight model's own argmax repeats one token), each next graph built and queued with
-    ``mx.async_eval`` before waiting on the current one: the loop of mlx-lm's ``generate_step``.
-    One sample covers all ``steps``; ``timing.per_launch`` turns it into seconds per forward.
-
-    The cache is rolled back as soon as each forward's graph is built (the arrays it wrote stay
-    in the graph), so every forward of the chain runs at the point's context, as the synchronous
-    one does: their difference is then the graph-build time pipelining hides, not the attention
-    over the 8 t tokens a growing chain would add. With ``control`` every forward of the chain
-    runs the point's prepared routing."""
-    inputs = mx.random.randint(0, vocab, (batch, tokens))
-    mx.eval(inputs)
-
-    def step(x: mx.array) -> mx.array:
-        token = random_ids(mx.argmax(model(x, cache=cache.cache), axis=-1), vocab)
-        cache.rollback(tokens, settle=False)
-        return token
-
-    def run():
-        return timing.pipelined(step, inputs, steps)[-1], cache.state()
-
-    if control is None:
-        return timing.Point(run=run, reset=cache.reset)
-    control.prepare(batch, tokens, lambda: (model(inputs, cache=cache.cache), cache.state()),
-                    lambda: cache.rollback(tokens))
-    return timing.Point(run=lambda: control.run(batch, tokens, run), reset=cache.reset)
-
-
-def reject_point(batch: int, gamma: int, vocab: int) -> timing.Point:
-    target = mx.random.normal((batch, gamma + 1, vocab))
-    draft = mx.random.normal((batch, gamma, vocab))
-    tokens = mx.random.randint(0, vocab, (batch, gamma))
-    mx.eval(target, draft, tokens)
-    return timing.Point(run=lambda: rejection_sample(target, draft, tokens))
 
 
 def recorded(kind: str, tokens: int, m: timing.Measurement, budget: timing.Budget, stats: dict) -> dict:
@@ -411,7 +355,7 @@ def run_sweep(
     mode = parse_routing(cfg.routing)
     plan = plan_layers(source, cfg, available_bytes, build)
     grid = len(cfg.batches) * len(cfg.tokens)
-    progress.expect(grid * len(plan) + len(cfg.batches) * (2 if cfg.draft else 1))
+    progress.expect(grid * len(plan) + len(cfg.batches) * (3 if cfg.draft else 1))
     entries, footprint_full = [], None
     for layers in plan:
         memory.start_stage()
@@ -426,6 +370,11 @@ def run_sweep(
         if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, check_drift=True):
             entry["memory"] = memory.record(need, available_bytes)
         store.save()
+        if sources.draft is not None and layers == plan[-1]:
+            why_not = ("the target was sliced to fit in memory" if len(plan) > 1 else
+                       "a sharded sweep does not time them" if build is not models.build else None)
+            measure_chains_with(built, need["peak_bytes"], cfg, sources.draft, store, available_bytes, progress, rng,
+                                why_not)
         entries.append(entry)
         del built
         memory.release()
@@ -478,6 +427,34 @@ def draft_config(cfg: SweepConfig) -> SweepConfig:
     return replace(cfg, model=cfg.draft, tokens=(1,), layers=None, routing="model", gather="mlx-lm", kv_context=0)
 
 
+def measure_chains_with(target: models.Built, target_bytes: int, cfg: SweepConfig, source: models.ModelSource,
+                        store: ResultsStore, available_bytes: int | None, progress: Progress,
+                        rng: random.Random, why_not: str | None = None) -> None:
+    """The drafter's chains after the target's verify (``draft_chain``), timed while the whole
+    target is still built, into the drafter's entry; skipped, and why said in the entry, where
+    the caller says so (``why_not``: a sliced target; a sharded one, whose ranks would have to
+    agree on the memory check) or the two models would not fit together."""
+    draft_cfg = draft_config(cfg)
+    built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
+    entry = store.entry("draft", entry_key(built, cfg.context), {**entry_header(built, cfg.context), "role": "draft"})
+    need = target_bytes + estimate_bytes(built, draft_cfg)
+    if why_not is None and available_bytes is not None and need > available_bytes:
+        why_not = (f"the target and {source.name} together need about {human_bytes(need)}, "
+                   f"{human_bytes(available_bytes)} is usable")
+    if why_not:
+        entry[keys.CHAINS_SKIPPED] = why_not
+        for b in cfg.batches:
+            progress.advance(f"{source.name} chain after the target B={b} (skipped: {why_not})")
+        store.save()
+        return
+    entry.pop(keys.CHAINS_SKIPPED, None)
+    built.materialise()
+    draft_chain.measure_chains(target, built, cfg.batches, cfg.gamma, cfg.context, entry, cfg.budget, store.save,
+                               progress, rng)
+    store.save()
+    del built
+
+
 def measure_draft(cfg, source: models.ModelSource, store, available_bytes, progress, rng) -> dict:
     """T_D(B, 1): the drafter's one-token step at every batch size (full depth, never sliced)."""
     draft_cfg = draft_config(cfg)
@@ -496,7 +473,9 @@ def measure_draft(cfg, source: models.ModelSource, store, available_bytes, progr
     store.save()
     del built
     memory.release()
-    return {**header, "points": points_list(entry["points"], entry.get("pipelined_points")), "memory": entry.get("memory")}
+    return {**header, "points": points_list(entry["points"], entry.get("pipelined_points")), "memory": entry.get("memory"),
+            "chain_points": draft_chain.chain_rows(entry),
+            **({"chains_skipped": entry[keys.CHAINS_SKIPPED]} if keys.CHAINS_SKIPPED in entry else {})}
 
 
 def measure_reject(cfg, source, store, progress, rng, available_bytes: int | None = None) -> dict:

@@ -10,7 +10,8 @@ order, the forwards a round is made of:
 - ``target_step``: the target's one-token forward, synchronous (only to tell what pipelining
   hides from the verify: the plain decode beside it is the pipelined one-token step);
 - ``draft``: gamma drafter steps chained as the loops chain them (each next graph queued before
-  waiting on the current one), the whole draft phase of a round;
+  waiting on the current one), the whole draft phase of a round, after an untimed verify of the
+  target as in a round (``draft_chain``: the target's forward leaves the drafter a slower start);
 - ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance);
 - ``rollback``: both models' caches taken back after a round that kept half its drafts
   (``rollback.Rollback``: a trim, a window cut, a recurrent state selected or replayed, or a
@@ -47,7 +48,8 @@ from mac_moesd.measure.clock import timing
 from mac_moesd.measure.caches.rolled_cache import RolledBackCache
 from mac_moesd.measure.caches.rollback import Rollback
 from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point, mlx_lm_bookkeeping
-from mac_moesd.measure.forward.sweep import forward_point, pipelined_point, reject_point
+from mac_moesd.measure.forward.draft_chain import chain_point
+from mac_moesd.measure.forward.points import forward_point, reject_point
 
 __all__ = ["RoundParts", "VERIFY_AT", "lookup_prediction", "round_prediction"]
 
@@ -83,7 +85,7 @@ class RoundParts:
                            for tokens in range(2, self.gamma + 1)})
         else:
             assert draft_cache is not None  # a drafter model has its caches
-            points["draft"] = pipelined_point(draft, draft_cache, self.batch, 1, self.vocab, steps=self.gamma)
+            points["draft"] = chain_point(target, target_cache, draft, draft_cache, self.batch, self.gamma, self.vocab)
         if self.with_reject:
             points["reject"] = reject_point(self.batch, self.gamma, self.vocab)
         if emit is not None:
