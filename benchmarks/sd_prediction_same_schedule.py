@@ -6,7 +6,8 @@ next, that comparison carries the drift. Here one process times everything toget
 target's grid (synchronous and pipelined), the drafter's steps, rejection sampling, and plain and
 speculative decoding at B 1,2,4 x gamma 2,4, every point visited once per round, in shuffled
 order, for the same number of rounds, so that every median sees the same mix of machine states.
-The grid then goes through the same fit as `mac-moesd fit` (with a quick roofline, as `run`
+Beside them, the drafter's chains after a verify of the target (as the sweep times them, for the
+fit's drafter start). The grid then goes through the same fit as `mac-moesd fit` (with a quick roofline, as `run`
 makes), and each measured speedup is set beside the fit's prediction at the run's acceptance and
 mean context. What error is left is the time model's and the loop's, not the machine's.
 
@@ -34,7 +35,7 @@ from mac_moesd.analysis import acceptance, fit
 from mac_moesd.inputs import models
 from mac_moesd.machine import blas
 from mac_moesd.measure.clock import timing
-from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.forward import draft_chain, points as timed, sweep
 from mac_moesd.measure.decoding.sd_loop import Decoder
 from mac_moesd.results import point_key
 
@@ -51,11 +52,21 @@ def grid(built, context: int, tokens, control, second_context: int | None = None
     parent = sweep.RolledBackCache(built.model, max(BATCHES), context, vocab)
     shorts = {b: parent.shortened(b, second_context) for b in BATCHES} if second_context else {}
     caches = sweep.batch_caches(parent, BATCHES)
-    sync = {(b, t): sweep.forward_point(built.model, caches[b], b, t, vocab, control) for b in BATCHES for t in tokens}
-    pipe = {(b, t): sweep.pipelined_point(built.model, caches[b], b, t, vocab, control, sweep.pipelined_steps(t, CHAINS))
+    sync = {(b, t): timed.forward_point(built.model, caches[b], b, t, vocab, control) for b in BATCHES for t in tokens}
+    pipe = {(b, t): timed.pipelined_point(built.model, caches[b], b, t, vocab, control, sweep.pipelined_steps(t, CHAINS))
             for b in BATCHES for t in tokens}
-    short = {(b, 1): sweep.forward_point(built.model, shorts[b], b, 1, vocab, control) for b in shorts}
+    short = {(b, 1): timed.forward_point(built.model, shorts[b], b, 1, vocab, control) for b in shorts}
     return sync, pipe, short
+
+
+def chain_points(target, draft, context: int) -> dict:
+    """The drafter's chains after an untimed verify of the target, as the sweep times them
+    (``draft_chain``): {(B, gamma): Point}."""
+    vocab = min(target.config["vocab_size"], draft.config["vocab_size"])
+    target_caches, draft_caches = (sweep.batch_caches(sweep.RolledBackCache(b.model, max(BATCHES), context, vocab), BATCHES)
+                                   for b in (target, draft))
+    return {(b, g): draft_chain.chain_point(target.model, target_caches[b], draft.model, draft_caches[b], b, g, vocab)
+            for b in BATCHES for g in draft_chain.chain_gammas(REJECT_GAMMA)}
 
 
 def decode_points(target, draft, context: int, new_tokens: int, alpha: float, seed: int) -> tuple[dict, dict]:
@@ -123,14 +134,16 @@ def main() -> int:
     target_sync, target_pipe, target_short = grid(target, args.context, TOKENS, control, second)
     draft_sync, draft_pipe, _ = grid(draft, args.context, (1,), None)
     vocab = target.config["vocab_size"]
-    reject = {b: sweep.reject_point(b, REJECT_GAMMA, vocab) for b in BATCHES}
+    reject = {b: timed.reject_point(b, REJECT_GAMMA, vocab) for b in BATCHES}
+    chains = chain_points(target, draft, args.context)
     decodes, decoded = decode_points(target, draft, args.context, args.tokens, args.alpha, seed=1)
     points = {**{("target", "sync", *k): p for k, p in target_sync.items()},
               **{("target", "pipe", *k): p for k, p in target_pipe.items()},
               **{("target", "short", *k): p for k, p in target_short.items()},
               **{("draft", "sync", *k): p for k, p in draft_sync.items()},
               **{("draft", "pipe", *k): p for k, p in draft_pipe.items()},
-              **{("reject", b): p for b, p in reject.items()}, **decodes}
+              **{("reject", b): p for b, p in reject.items()},
+              **{("chain", *k): p for k, p in chains.items()}, **decodes}
     budget = timing.Budget(warmup=1, min_repeats=args.rounds, max_repeats=args.rounds, per_visit=1,
                            seconds_per_point=1e9)
     print(f"timing {len(points)} points, {args.rounds} rounds in one shuffled schedule", file=sys.stderr, flush=True)
@@ -142,6 +155,8 @@ def main() -> int:
     data["sweeps"] = {sweep.entry_key(target, args.context): entry(
         target, args.context, kind("target", "sync"), kind("target", "pipe"), control.stats if control else {},
         short=kind("target", "short"), second_context=second)}
+    chained = {point_key(b, g): m[("chain", b, g)] for b, g in chains}
+    next(iter(data["sweeps"].values()))["draft_chains"] = {draft.source.name: {"points": chained}}
     data["draft"] = {sweep.entry_key(draft, args.context): entry(
         draft, args.context, kind("draft", "sync"), kind("draft", "pipe"), {}, role="draft")}
     data["reject"] = {f"V{vocab}|gamma{REJECT_GAMMA}": {"vocab": vocab, "gamma": REJECT_GAMMA, "points": {

@@ -510,10 +510,20 @@ def test_the_drafters_start_after_a_verify_is_recovered_from_its_chains_and_pric
     # per sequence + 0.1 ms per step after the first (no pipelined points: each step as fitted, T_D(B)).
     data = synthetic_results(noise=0.0)
     start = lambda b, g: 0.4e-3 + 0.05e-3 * b + 0.1e-3 * (g - 1)  # noqa: E731
-    data["draft"]["d"]["chain_points"] = {f"{b}x{g}": {"median_s": g * true_draft_time(b) + start(b, g)}
-                                          for b in (1, 2, 4, 8, 16) for g in (1, 2, 4)}
+    chains = {f"{b}x{g}": {"median_s": g * true_draft_time(b) + start(b, g)} for b in (1, 2, 4, 8, 16) for g in (1, 2, 4)}
+    data["sweeps"]["m"]["draft_chains"] = {"synthetic-draft": {"points": chains}}
     inputs = fit.inputs_from_results(data)
     assert len(inputs.draft_chains) == 15 and fit.NO_CHAINS not in inputs.missing
+    # The chains belong to the target they followed and to their drafter: another drafter's
+    # chains after this target, or this drafter's after another target, are not this pair's.
+    other = synthetic_results(noise=0.0)
+    other["sweeps"]["m"]["draft_chains"] = {"another-draft": {"points": chains}}
+    other["sweeps"]["m2"] = {**other["sweeps"]["m"], "model": "another-moe",
+                             "draft_chains": {"synthetic-draft": {"points": chains}}}
+    assert fit.inputs_from_results(other, model="synthetic-moe").draft_chains == ()
+    skipped = synthetic_results(noise=0.0)
+    skipped["sweeps"]["m"]["draft_chains"] = {"synthetic-draft": {"points": {}, "skipped": "a sharded sweep does not time them"}}
+    assert fit.NO_CHAINS + " (this sweep: a sharded sweep does not time them)" in fit.inputs_from_results(skipped).missing
     result = fit.fit(inputs)
     term = result.draft_start
     assert term["points"] == 15 and term["mape"] < 1e-3
@@ -544,6 +554,10 @@ def test_a_hand_worked_round_with_the_drafters_start():
     assert float(started.speedup(1, 2, 0.5, 0)) == pytest.approx(1.75 / 1.65)
     cost = verdict.round_cost(started, 1, 2, 0, 0.5)
     assert cost.draft == pytest.approx(0.55e-3) and cost.round == pytest.approx(1.65e-3)
+    # At B = 2 the suite's loop feeds the drafter its last draft after the 0.5^(2x2) = 1/16 of rounds
+    # that accept everything; that step is queued into the next chain, which pays the start once:
+    # start 0.2 + 0.2 + 0.05 = 0.45 ms, so 2 x (0.1 + 0.45/2) + 0.1/16 ms of drafting a round.
+    assert verdict.round_cost(started, 2, 2, 0, 0.5).draft == pytest.approx((2 * 0.325 + 0.1 / 16) * 1e-3)
     # A stored start without c_s (none timed per step) reads as 0 per step.
     del doc["draft_start"]["c_s"]
     assert float(fit.FittedModel.from_document(doc).speedup(1, 2, 0.5, 0)) == pytest.approx(1.75 / 1.6)

@@ -130,11 +130,12 @@ def test_draft_and_reject_steps(tmp_path):
     assert all(p["median_s"] > 0 for p in doc["reject"]["bookkeeping_points"])
     (stored,) = json.loads((tmp_path / "r.json").read_text())["reject"].values()
     assert sorted(stored["bookkeeping_points"]) == ["1x5", "2x5"]
-    # the drafter's chains after a verify of the whole target, at gamma 1 and the sweep's 4
+    # the drafter's chains after a verify of the whole target, at gamma 1, 2 and the sweep's 4
     assert [(p["batch"], p["gamma"]) for p in doc["draft"]["chain_points"]] == [(1, 1), (1, 2), (1, 4), (2, 1),
                                                                                  (2, 2), (2, 4)]
-    (drafter,) = json.loads((tmp_path / "r.json").read_text())["draft"].values()
-    assert sorted(drafter["chain_points"]) == ["1x1", "1x2", "1x4", "2x1", "2x2", "2x4"]
+    assert doc["draft"]["chains_after_layers"] == doc["layers_full"]
+    (target,) = json.loads((tmp_path / "r.json").read_text())["sweeps"].values()
+    assert sorted(target["draft_chains"]["tiny-draft"]["points"]) == ["1x1", "1x2", "1x4", "2x1", "2x2", "2x4"]
 
 
 def test_saved_model_with_weights_loads_through_mlx_lm(tmp_path):
@@ -251,12 +252,13 @@ def test_a_drafters_chain_is_timed_after_a_verify_of_the_target_and_kept_on_a_re
         built.materialise()
     log: list = []
     target.model, draft.model = Recording(target.model, "target", log), Recording(draft.model, "draft", log)
-    entry: dict = {}
+    record: dict = {"points": {}}
     saves = []
-    draft_chain.measure_chains(target, draft, (1, 2), 3, 16, entry, TINY_BUDGET, lambda: saves.append(1),
+    todo = draft_chain.missing(record, (1, 2), 3)
+    draft_chain.measure_chains(target, draft, todo, 16, record, TINY_BUDGET, lambda: saves.append(1),
                                Progress(), random.Random(0))
-    assert sorted(entry["chain_points"]) == ["1x1", "1x2", "1x3", "2x1", "2x2", "2x3"] and len(saves) == 6
-    assert all(m["median_s"] > 0 and m["repeats"] == 3 for m in entry["chain_points"].values())
+    assert sorted(record["points"]) == ["1x1", "1x2", "1x3", "2x1", "2x2", "2x3"] and len(saves) == 6
+    assert all(m["median_s"] > 0 and m["repeats"] == 3 for m in record["points"].values())
     # After the prefills, every sample: a verify of gamma + 1 tokens, then gamma one-token drafter steps.
     samples = log[2:]  # the two prefills
     verifies = [i for i, (who, _) in enumerate(samples) if who == "target"]
@@ -264,13 +266,11 @@ def test_a_drafters_chain_is_timed_after_a_verify_of_the_target_and_kept_on_a_re
     for i in verifies:
         gamma = samples[i][1] - 1
         assert samples[i + 1 : i + 1 + gamma] == [("draft", 1)] * gamma
-    assert [row["gamma"] for row in draft_chain.chain_rows(entry)] == [1, 2, 3, 1, 2, 3]
-    assert all("samples_s" not in row for row in draft_chain.chain_rows(entry))
-    # Kept: nothing runs again.
-    log.clear()
-    draft_chain.measure_chains(target, draft, (1, 2), 3, 16, entry, TINY_BUDGET, lambda: None, Progress(),
-                               random.Random(0))
-    assert log == []
+    assert [row["gamma"] for row in draft_chain.chain_rows(record)] == [1, 2, 3, 1, 2, 3]
+    assert all("samples_s" not in row for row in draft_chain.chain_rows(record))
+    # Kept: none missing, and a larger gamma adds only its own chains.
+    assert draft_chain.missing(record, (1, 2), 3) == []
+    assert draft_chain.missing(record, (1, 2), 4) == [(1, 4), (2, 4)]
 
 
 def test_chains_are_skipped_and_said_so_where_target_and_drafter_do_not_fit_together(tmp_path):
@@ -289,7 +289,33 @@ def test_chains_are_skipped_and_said_so_where_target_and_drafter_do_not_fit_toge
     target = models.build(models.resolve("tiny-moe"), seed=0)
     store = ResultsStore(tmp_path / "r.json", META)
     progress = Steps()
-    sweep.measure_chains_with(target, 1000, cfg, models.resolve("tiny-draft"), store, 1001, progress, random.Random(0))
-    (entry,) = store.data["draft"].values()
-    assert "chain_points" not in entry and "is usable" in entry["chains_skipped"]
+    entry: dict = {}
+    sweep.measure_chains_with(target, entry, cfg, models.resolve("tiny-draft"), store, 1001, progress, random.Random(0))
+    record = entry["draft_chains"]["tiny-draft"]
+    assert record["points"] == {} and "is usable" in record["skipped"]
     assert len(progress.labels) == 2 and all("skipped" in label for label in progress.labels)
+    assert "draft" not in store.data  # the drafter was neither built into the file nor timed
+
+
+@pytest.mark.slow  # loads and times models end to end
+def test_a_sliced_targets_chains_follow_the_verify_of_its_larger_slice(tmp_path):
+    cfg = sweep.SweepConfig(model="tiny-moe", batches=(1,), tokens=(1, 2), context=8, layers=1, gamma=2,
+                            draft="tiny-draft", budget=TINY_BUDGET)
+    doc = sweep.run_sweep(cfg, ResultsStore(tmp_path / "r.json", META), None)
+    assert doc["layers_measured"] == [1, 2]
+    assert [(p["batch"], p["gamma"]) for p in doc["draft"]["chain_points"]] == [(1, 1), (1, 2)]
+    assert doc["draft"]["chains_after_layers"] == 2 and "chains_skipped" not in doc["draft"]
+
+
+def test_the_sweep_document_reads_a_pairs_chains_from_the_deepest_slice_that_holds_them():
+    m = {"median_s": 0.003, "samples_s": [0.003]}
+    small = {"layers": 1, "draft_chains": {"d": {"points": {"1x1": {"median_s": 0.009}}}}}
+    large = {"layers": 2, "draft_chains": {"d": {"points": {"1x2": m, "1x1": m}},
+                                           "other": {"points": {}, "skipped": "a sharded sweep does not time them"}}}
+    doc = sweep.chains_document([large, small], "d")
+    assert [(r["batch"], r["gamma"], r["median_s"]) for r in doc["chain_points"]] == [(1, 1, 0.003), (1, 2, 0.003)]
+    assert doc["chains_after_layers"] == 2 and "chains_skipped" not in doc
+    assert all("samples_s" not in r for r in doc["chain_points"])
+    assert sweep.chains_document([large, small], "other") == {"chain_points": [],
+                                                              "chains_skipped": "a sharded sweep does not time them"}
+    assert sweep.chains_document([small], "nobody") == {"chain_points": []}

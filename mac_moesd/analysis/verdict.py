@@ -52,7 +52,8 @@ def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: 
     plain, verify_s, draft_step, reject = model.step_times(batch, gamma, context, verify)
     rollback = model.rollback_time(batch, gamma, alpha, context)
     fed = float(model.catch_up(batch, gamma, alpha))  # the drafter fed its last draft (FittedModel.speedup)
-    return RoundCost(float(plain), float(verify_s), (gamma + fed) * float(draft_step), float(reject),
+    draft = gamma * float(draft_step) + fed * float(draft_step - model.start_share(batch, gamma))
+    return RoundCost(float(plain), float(verify_s), draft, float(reject),
                      float(rollback), float(round_terms.seconds(model.bookkeeping, batch)))
 
 

@@ -127,9 +127,10 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
 def point_seconds(t: float, budget: timing.Budget, untimed: float = 0.0) -> float:
     """What timing.measure spends on a point whose call takes ``t``: warm-ups, then visits of
     ``per_visit`` samples until min_repeats and the time budget (or max_repeats) are reached;
-    ``untimed``: what each call runs before its clock starts (``timing.Point.before``)."""
+    ``untimed``: what each call runs before its clock starts (``timing.Point.before``), which
+    counts in the budget."""
     n = 0
-    while n < budget.min_repeats or (n < budget.max_repeats and n * t < budget.seconds_per_point):
+    while n < budget.min_repeats or (n < budget.max_repeats and n * (t + untimed) < budget.seconds_per_point):
         n += budget.per_visit
     return (budget.warmup + n) * (t + untimed)
 
@@ -199,9 +200,12 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) 
         seconds += sum(grid_point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget, 1)
                        for b in plan.batches)
         models_used.append(cfg.draft)
-        together = need["peak_bytes"] + parts[-1]["peak_bytes"]
-        if len(slices) == 1 and (usable is None or together <= usable):  # as sweep.measure_chains_with
-            seconds += _chain_seconds(models.build(source, dtype, plan.bits), draft, rates, plan, cfg.gamma)
+        # As sweep.measure_chains_with, after the last slice: the target verifying gamma + 1 tokens.
+        last = models.build(source, dtype, plan.bits, slices[-1])
+        verifying = replace(cfg, tokens=tuple(sorted({*cfg.tokens, cfg.gamma + 1})))
+        together = need["peak_bytes"] + sweep.estimate_bytes(last, verifying)
+        if usable is None or together <= usable:
+            seconds += _chain_seconds(last, draft, rates, plan, cfg.gamma)
             peak = max(peak, together)
     vocab = source.config["vocab_size"]
     peak = max(peak, memory.rejection_bytes(vocab, max(plan.batches), cfg.gamma))
@@ -218,9 +222,10 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) 
 
 def _chain_seconds(target, draft, rates: Rates, plan: Plan, gamma: int) -> float:
     """The drafter's chains after a verify (``draft_chain``): both models prefilled again, then
-    each chain timed after an untimed verify of the target."""
+    each chain timed after an untimed verify of the target (whole, or its larger slice)."""
     big, context = max(plan.batches), plan.context
-    seconds = prefill_seconds(target, rates, big, context) + prefill_seconds(draft, rates, big, context)
+    seconds = (materialise_seconds(draft, rates) + prefill_seconds(target, rates, big, context)
+               + prefill_seconds(draft, rates, big, context))
     return seconds + sum(point_seconds(g * forward_seconds(draft, rates, b, 1, context), plan.budget,
                                        untimed=forward_seconds(target, rates, b, g + 1, context))
                          for b in plan.batches for g in draft_chain.chain_gammas(gamma))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from mac_moesd.results import schema
 
 __all__ = [
-    "CHAINS_SKIPPED", "CHAIN_POINTS", "DRAFTER_KINDS", "chain_points", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
+    "DRAFTER_KINDS", "DRAFT_CHAINS", "chain_points", "chain_record", "chains_of", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
     "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_document_key", "routing_key",
     "routing_key_model", "serving_key", "spec_document_key", "spec_key", "spec_key_parts", "sweep_key", "sweep_key_variant",
 ]
@@ -41,14 +41,32 @@ def parse_point_key(key: str) -> tuple[int, int]:
     return int(batch), int(tokens)
 
 
-# A drafter entry's chains timed after the target's verify (``measure.forward.draft_chain``), keyed
-# ``point_key(batch, gamma)``: gamma one-token steps; and why a sweep timed none.
-CHAIN_POINTS, CHAINS_SKIPPED = "chain_points", "chains_skipped"
+# A target's sweep entry (its larger slice's, where sliced) holds its drafters' chains timed after
+# its verify (``measure.forward.draft_chain``), by drafter: ``points`` keyed ``point_key(batch,
+# gamma)`` (gamma one-token steps), and ``skipped``: why a sweep timed none.
+DRAFT_CHAINS = "draft_chains"
 
 
-def chain_points(entry: dict) -> list[tuple[int, int, float]]:
-    """(batch, gamma, median seconds of the chain) of a drafter entry, sorted; none before they were timed."""
-    return sorted((*parse_point_key(key), float(m["median_s"])) for key, m in entry.get(CHAIN_POINTS, {}).items())
+def chains_of(entry: dict, drafter: str) -> dict:
+    """A sweep entry's record of ``drafter``'s chains (created empty where there is none)."""
+    return entry.setdefault(DRAFT_CHAINS, {}).setdefault(drafter, {"points": {}})
+
+
+def chain_record(entries: list[dict], drafter: str) -> tuple[dict, int | None]:
+    """``drafter``'s chains after a verify of this target, and the target's layers they followed:
+    from the deepest of a sweep's entries (its slices) that holds a record; an empty record and
+    None where none does."""
+    holding = [e for e in entries if (e.get(DRAFT_CHAINS, {}).get(drafter) or {}).get("points")
+               or (e.get(DRAFT_CHAINS, {}).get(drafter) or {}).get("skipped")]
+    if not holding:
+        return {"points": {}}, None
+    entry = max(holding, key=lambda e: e.get("layers", 0))
+    return entry[DRAFT_CHAINS][drafter], entry.get("layers")
+
+
+def chain_points(record: dict) -> list[tuple[int, int, float]]:
+    """(batch, gamma, median seconds of the chain) of a chain record, sorted."""
+    return sorted((*parse_point_key(key), float(m["median_s"])) for key, m in record.get("points", {}).items())
 
 
 def sweep_key(model: str, weight_format: str, context: int, layers: int, routing: str = "model",

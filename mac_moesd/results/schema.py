@@ -308,6 +308,12 @@ class Drift(TypedDict, total=False):
     flagged: bool
 
 
+class DraftChains(TypedDict, total=False):
+    """A drafter's chains timed after a verify of the target whose sweep entry holds them."""
+    points: dict[str, Measurement]  # point_key(batch, gamma): a chain of gamma one-token steps
+    skipped: str  # why none were timed (the two models did not fit together; a sharded sweep)
+
+
 class SweepEntry(TypedDict, total=False):
     """An entry of ``sweeps`` (and of ``draft``, with ``role``), keyed
     ``<model>|<format>|L<context>|layers<N>[|routing=<mode>][|gather=sorted]``."""
@@ -328,8 +334,7 @@ class SweepEntry(TypedDict, total=False):
     kv_points: dict[str, dict[str, Measurement]]  # second context -> point_key -> point
     kv_twins: dict[str, dict[str, Measurement]]
     kv_untrimmable: bool
-    chain_points: dict[str, Measurement]  # a drafter's chains after a verify, keyed point_key(batch, gamma)
-    chains_skipped: str  # why a drafter's chains were not timed
+    draft_chains: dict[str, DraftChains]  # by drafter: its chains after this entry's verify (§7.5)
     drift: Drift | None
     memory: Memory
     thermal_pressure: ThermalPressure

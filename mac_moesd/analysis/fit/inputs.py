@@ -29,8 +29,8 @@ NO_SECOND_CONTEXT = ("no one-token points at a second context: the KV term k_kv*
                      "cost per sequence, so predictions at other contexts overstate its growth; rerun "
                      "the sweep (it times them at a quarter of --context unless --kv-context 0)")
 NO_CHAINS = ("no drafter chains timed after a verify of the target: the drafter's start a round is not "
-             "priced; a sweep with --draft times them where the whole target and the drafter fit in memory "
-             "together on one machine")
+             "priced; a sweep with --draft times them where the target (or its larger slice) and the "
+             "drafter fit in memory together on one machine")
 NO_PIPELINED = ("no pipelined timings in this sweep (made before they were recorded): predictions use "
                 "synchronous forwards for plain decode and drafter steps too; rerun the sweep to add them")
 
@@ -123,6 +123,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     stages = shape["ranks"] if shape and shape["parallel"] == "pipeline" else 1
     threshold, threshold_source = _sort_threshold(data, full)
     side = draft if draft and rejects else None  # the drafter's points count only with T_rej's
+    chains = (keys.chain_record([e for e in view.entries if e["context"] == full["context"]], draft["model"])[0]
+              if draft else {"points": {}})
     return FitInputs(
         model=view.name,
         experts=footprint["experts"],
@@ -141,14 +143,14 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])] if side else [],
         bookkeeping=tuple((b, s) for b, _, s in _as_pairs(
             next((e["bookkeeping_points"] for e in rejects if e.get("bookkeeping_points")), {}))),
-        draft_chains=tuple(keys.chain_points(side)) if side else (),
+        draft_chains=tuple(keys.chain_points(chains)) if side else (),
         context=full["context"],
         draft_model=draft["model"] if draft else None,
         extrapolated=extrapolated,
         verify=verify,
         sort_threshold=threshold,
         sort_threshold_source=threshold_source,
-        missing=tuple(_missing(view, draft, rejects, ridge, bandwidth, target_pipelined, kv_points)),
+        missing=tuple(_missing(view, draft, rejects, ridge, bandwidth, target_pipelined, kv_points, chains)),
         platform=_platform(data.get("meta", {})),
         comm=cluster.comm_term(data, view.name),
         cluster=shape,
@@ -191,15 +193,15 @@ def _drafter(data: dict, full: dict, draft_model: str | None) -> tuple[dict | No
 
 
 def _missing(view, draft: dict | None, rejects: list, ridge: float | None, bandwidth: float | None,
-             target_pipelined: list, kv_points: tuple) -> list[str]:
+             target_pipelined: list, kv_points: tuple, chains: dict) -> list[str]:
     """What the fit could not use, in the order the output lists it, each with what it would take."""
     missing = []
     if draft is None:
         missing.append(NO_DRAFT)
     if draft is not None and not rejects:
         missing.append(NO_REJECT)
-    if draft is not None and rejects and not keys.chain_points(draft):
-        why = draft.get(keys.CHAINS_SKIPPED)
+    if draft is not None and rejects and not chains["points"]:
+        why = chains.get("skipped")
         missing.append(NO_CHAINS + (f" (this sweep: {why})" if why else ""))
     if ridge is None:
         missing.append("no roofline and no published FLOPS for this chip: the knee is fitted within "

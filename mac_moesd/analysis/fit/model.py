@@ -96,8 +96,15 @@ class FittedModel:
         reject_s = fitted_reject if reject is None or self.drafted else reject
         rollback = self.rollback_time(batch, gamma, alpha, context, self_draft, comm, draft_step is not None)
         fed = self.catch_up(batch, gamma, alpha, catch_up)
-        per_round = reject_s + rollback + round_terms.seconds(self.bookkeeping, batch) + fed * draft
+        fed_step = draft - (self.start_share(batch, gamma) if draft_step is None and not self_draft else 0.0)
+        per_round = reject_s + rollback + round_terms.seconds(self.bookkeeping, batch) + fed * fed_step
         return theory.speedup(sigma, gamma, plain, verify_t, draft, per_round)
+
+    def start_share(self, batch, gamma: int) -> np.ndarray:
+        """The drafter's start's share of its mean step (``step_times``): T_start(B, gamma) /
+        gamma. A catch-up step is queued into the next round's chain, which pays the start once,
+        so that step is priced without it."""
+        return round_terms.seconds(self.draft_start, batch, gamma) / gamma
 
     @staticmethod
     def catch_up(batch, gamma: int, alpha: float, loop: bool | None = None) -> np.ndarray:

@@ -44,7 +44,8 @@ class Point:
     With ``build_untimed``, ``run`` only builds the lazy graph and is called before the clock
     starts, so the timed region is the evaluation alone (for K launches of a short kernel).
     ``before`` runs untimed ahead of each sample, to leave the machine as the loop being timed
-    leaves it (a drafter's chain after the target's verify: ``draft_chain``).
+    leaves it (a drafter's chain after the target's verify: ``draft_chain``); it counts in the
+    point's time budget.
     """
 
     run: Callable[[], Any]
@@ -226,9 +227,12 @@ def measure(
             order = [key for g in groups for key in order if group(key) == g]
         for key in order:
             for _ in range(budget.per_visit):
+                start = time.perf_counter()
                 elapsed = finite_time(points[key])
                 samples[key].append(elapsed)
-                spent[key] += elapsed
+                # What runs untimed before a sample is spent on the point too: the budget bounds
+                # the time a point takes, whatever part of it the clock measures.
+                spent[key] += time.perf_counter() - start if points[key].before is not None else elapsed
             if finished(key):
                 done[key] = summarise(samples[key], budget.target_ci, budget.warmup)
                 if on_done is not None:

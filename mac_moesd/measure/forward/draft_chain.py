@@ -12,8 +12,11 @@ steps as a term a round (``analysis.round_terms``); on a Mac the same points say
 pays anything like it.
 
 The chains are timed at gamma 1, 2 and the sweep's gamma, at every batch of the sweep, with the
-target whole beside the drafter (both as the SD stage holds them); a target that had to be
-sliced to fit is not timed with its drafter, and the fit says the term is missing.
+target beside the drafter, as the SD stage holds them, into the target's sweep entry (they are
+the pair's, not the drafter's alone: ``keys.chains_of``). A target too big for memory is swept in
+slices, and its chains follow the verify of its larger slice: what the chain pays is the
+drafter's weights gone from the caches the target's forward passed through, and a slice of such
+a target reads far more bytes than any cache holds, as the whole target would.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from mac_moesd.measure.clock import timing
 from mac_moesd.measure.forward.points import forward_point, pipelined_point
 from mac_moesd.progress import Progress
 from mac_moesd.results import point_key
-from mac_moesd.results.keys import CHAIN_POINTS, chain_points
+from mac_moesd.results.keys import chain_points
 
-__all__ = ["chain_gammas", "chain_point", "chain_rows", "measure_chains"]
+__all__ = ["chain_gammas", "chain_point", "chain_rows", "measure_chains", "missing"]
 
 
 def chain_gammas(gamma: int) -> tuple[int, ...]:
@@ -48,36 +51,39 @@ def chain_point(target, target_cache: RolledBackCache, draft, draft_cache: Rolle
     return replace(chain, before=partial(timing.run_untimed, verify))
 
 
-def chain_rows(entry: dict) -> list[dict]:
-    """The chains as a sweep document lists them: {batch, gamma, median_s, ...} without the samples."""
-    return [{"batch": b, "gamma": g, **{k: v for k, v in entry[CHAIN_POINTS][point_key(b, g)].items()
+def chain_rows(record: dict) -> list[dict]:
+    """A chain record's chains as a sweep document lists them: {batch, gamma, median_s, ...}
+    without the samples."""
+    return [{"batch": b, "gamma": g, **{k: v for k, v in record["points"][point_key(b, g)].items()
                                         if k != "samples_s"}}
-            for b, g, _ in chain_points(entry)]
+            for b, g, _ in chain_points(record)]
 
 
-def measure_chains(target: models.Built, draft: models.Built, batches: tuple[int, ...], gamma: int, context: int,
-                   entry: dict, budget: timing.Budget, save, progress: Progress, rng: random.Random) -> None:
-    """Time the chains missing from ``entry[CHAIN_POINTS]`` at every batch, on one prefill of
-    each model at the largest batch (copies of its rows for the smaller ones), saving each."""
-    kept = entry.setdefault(CHAIN_POINTS, {})
-    todo = [(b, g) for b in batches for g in chain_gammas(gamma) if point_key(b, g) not in kept]
-    for b in sorted(set(batches) - {b for b, _ in todo}):
-        progress.advance(f"{draft.source.name} chain after the target B={b} (kept)")
-    if not todo:
-        return
+def missing(record: dict, batches: tuple[int, ...], gamma: int) -> list[tuple[int, int]]:
+    """The (batch, gamma) chains a record lacks."""
+    return [(b, g) for b in batches for g in chain_gammas(gamma) if point_key(b, g) not in record["points"]]
+
+
+def measure_chains(target: models.Built, draft: models.Built, todo: list[tuple[int, int]], context: int,
+                   record: dict, budget: timing.Budget, save, progress: Progress, rng: random.Random) -> None:
+    """Time the (batch, gamma) chains ``todo`` into ``record["points"]``, on one prefill of each
+    model at the largest batch (copies of its rows for the smaller ones), saving each; a batch's
+    progress step is counted when its last chain is done."""
     vocab = min(target.config["vocab_size"], draft.config["vocab_size"])  # ids both models embed
-    big = max(b for b, _ in todo)
     wanted = {b for b, _ in todo}
+    big = max(wanted)
     target_caches = batch_caches(RolledBackCache(target.model, big, context, vocab), wanted)
     draft_caches = batch_caches(RolledBackCache(draft.model, big, context, vocab), wanted)
     points = {(b, g): chain_point(target.model, target_caches[b], draft.model, draft_caches[b], b, g, vocab)
               for b, g in todo}
+    left = {b: sum(1 for x, _ in todo if x == b) for b in wanted}
 
     def done(key, m):
         b, g = key
-        kept[point_key(b, g)] = m
+        record["points"][point_key(b, g)] = m
         save()
-        if all(point_key(b, x) in kept for x in chain_gammas(gamma)):
+        left[b] -= 1
+        if not left[b]:
             progress.advance(f"{draft.source.name} chain after the target B={b}")
 
     timing.measure(points, budget, rng, on_done=done, group=lambda key: key[0])

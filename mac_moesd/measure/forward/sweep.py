@@ -370,11 +370,9 @@ def run_sweep(
         if measure_grid(built, cfg, cfg.tokens, entry, store.save, progress, rng, check_drift=True):
             entry["memory"] = memory.record(need, available_bytes)
         store.save()
-        if sources.draft is not None and layers == plan[-1]:
-            why_not = ("the target was sliced to fit in memory" if len(plan) > 1 else
-                       "a sharded sweep does not time them" if build is not models.build else None)
-            measure_chains_with(built, need["peak_bytes"], cfg, sources.draft, store, available_bytes, progress, rng,
-                                why_not)
+        if sources.draft is not None and layers == plan[-1]:  # the whole target, or its larger slice
+            why_not = "a sharded sweep does not time them" if build is not models.build else None
+            measure_chains_with(built, entry, cfg, sources.draft, store, available_bytes, progress, rng, why_not)
         entries.append(entry)
         del built
         memory.release()
@@ -386,7 +384,8 @@ def run_sweep(
                                      "sequences": t.sequences, "length": t.length}
     if cfg.draft:
         assert sources.draft is not None  # resolved with cfg.draft
-        document["draft"] = measure_draft(cfg, sources.draft, store, available_bytes, progress, rng)
+        document["draft"] = {**measure_draft(cfg, sources.draft, store, available_bytes, progress, rng),
+                             **chains_document(entries, sources.draft.name)}
     document["reject"] = measure_reject(cfg, source, store, progress, rng, available_bytes)
     return document
 
@@ -427,32 +426,48 @@ def draft_config(cfg: SweepConfig) -> SweepConfig:
     return replace(cfg, model=cfg.draft, tokens=(1,), layers=None, routing="model", gather="mlx-lm", kv_context=0)
 
 
-def measure_chains_with(target: models.Built, target_bytes: int, cfg: SweepConfig, source: models.ModelSource,
+def measure_chains_with(target: models.Built, entry: dict, cfg: SweepConfig, source: models.ModelSource,
                         store: ResultsStore, available_bytes: int | None, progress: Progress,
                         rng: random.Random, why_not: str | None = None) -> None:
-    """The drafter's chains after the target's verify (``draft_chain``), timed while the whole
-    target is still built, into the drafter's entry; skipped, and why said in the entry, where
-    the caller says so (``why_not``: a sliced target; a sharded one, whose ranks would have to
-    agree on the memory check) or the two models would not fit together."""
+    """The drafter's chains after the target's verify (``draft_chain``), timed while the target
+    (whole, or the larger slice of a target too big for memory) is still built, into its sweep
+    ``entry`` by drafter; skipped, and why said there, where the caller says so (``why_not``: a
+    sharded target, whose ranks would have to agree on the memory check) or the two models
+    would not fit together. Chains kept from an earlier run stay."""
+    record = keys.chains_of(entry, source.name)
+    todo = draft_chain.missing(record, cfg.batches, cfg.gamma)
+    for b in sorted(set(cfg.batches) - {b for b, _ in todo}):
+        progress.advance(f"{source.name} chain after the target B={b} (kept)")
+    if not todo:
+        return
     draft_cfg = draft_config(cfg)
     built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
-    entry = store.entry("draft", entry_key(built, cfg.context), {**entry_header(built, cfg.context), "role": "draft"})
-    need = target_bytes + estimate_bytes(built, draft_cfg)
+    # The target's memory with its verify of gamma + 1 tokens, which the grid may not reach.
+    verifying = replace(cfg, tokens=tuple(sorted({*cfg.tokens, cfg.gamma + 1})))
+    need = estimate_bytes(target, verifying) + estimate_bytes(built, draft_cfg)
     if why_not is None and available_bytes is not None and need > available_bytes:
         why_not = (f"the target and {source.name} together need about {human_bytes(need)}, "
                    f"{human_bytes(available_bytes)} is usable")
     if why_not:
-        entry[keys.CHAINS_SKIPPED] = why_not
-        for b in cfg.batches:
+        record["skipped"] = why_not
+        for b in sorted({b for b, _ in todo}):
             progress.advance(f"{source.name} chain after the target B={b} (skipped: {why_not})")
         store.save()
         return
-    entry.pop(keys.CHAINS_SKIPPED, None)
+    record.pop("skipped", None)
     built.materialise()
-    draft_chain.measure_chains(target, built, cfg.batches, cfg.gamma, cfg.context, entry, cfg.budget, store.save,
-                               progress, rng)
+    draft_chain.measure_chains(target, built, todo, cfg.context, record, cfg.budget, store.save, progress, rng)
     store.save()
     del built
+
+
+def chains_document(entries: list[dict], drafter: str) -> dict:
+    """What the sweep document's ``draft`` says of the drafter's chains: ``chain_points`` rows,
+    ``chains_after_layers`` (the target's layers they followed) or ``chains_skipped``."""
+    record, layers = keys.chain_record(entries, drafter)
+    return {"chain_points": draft_chain.chain_rows(record),
+            **({"chains_after_layers": layers} if record["points"] else {}),
+            **({"chains_skipped": record["skipped"]} if record.get("skipped") else {})}
 
 
 def measure_draft(cfg, source: models.ModelSource, store, available_bytes, progress, rng) -> dict:
@@ -473,9 +488,7 @@ def measure_draft(cfg, source: models.ModelSource, store, available_bytes, progr
     store.save()
     del built
     memory.release()
-    return {**header, "points": points_list(entry["points"], entry.get("pipelined_points")), "memory": entry.get("memory"),
-            "chain_points": draft_chain.chain_rows(entry),
-            **({"chains_skipped": entry[keys.CHAINS_SKIPPED]} if keys.CHAINS_SKIPPED in entry else {})}
+    return {**header, "points": points_list(entry["points"], entry.get("pipelined_points")), "memory": entry.get("memory")}
 
 
 def measure_reject(cfg, source, store, progress, rng, available_bytes: int | None = None) -> dict:

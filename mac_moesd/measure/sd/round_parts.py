@@ -195,7 +195,9 @@ def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, g
     the run realised; with the round's parts as priced. ``catch_up`` (the suite's loop): after a
     round that accepted every draft, the drafter is fed its last draft, one more drafter step
     (``Decoder.speculative``), priced in the draft part by how often that happens; mlx-lm feeds
-    it with the next round's first step instead, at about the cost of that step."""
+    it with the next round's first step instead, at about the cost of that step. (The catch-up
+    step is priced at the chain's mean step, which carries a share of the chain's start after the
+    verify: at most alpha^(gamma B) of that share a round, under 1% of a round on the CPU box.)"""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
     rejects = float(theory.rollback_probability(alpha, gamma, batch))
     rollback = parts.get("rollback", 0.0) * rejects
