@@ -289,12 +289,39 @@ def test_chains_are_skipped_and_said_so_where_target_and_drafter_do_not_fit_toge
     target = models.build(models.resolve("tiny-moe"), seed=0)
     store = ResultsStore(tmp_path / "r.json", META)
     progress = Steps()
-    entry: dict = {}
+    entry = store.entry("sweeps", "tiny-moe|float32|L20|layers4", {"model": "tiny-moe"})
     sweep.measure_chains_with(target, entry, cfg, models.resolve("tiny-draft"), store, 1001, progress, random.Random(0))
-    record = entry["draft_chains"]["tiny-draft"]
+    (saved,) = load_results(tmp_path / "r.json")["sweeps"].values()
+    record = saved["draft_chains"]["tiny-draft"]
     assert record["points"] == {} and "is usable" in record["skipped"]
     assert len(progress.labels) == 2 and all("skipped" in label for label in progress.labels)
-    assert "draft" not in store.data  # the drafter was neither built into the file nor timed
+    assert "draft" not in store.data  # the drafter was neither entered in the file nor timed
+
+
+def test_kept_chains_build_nothing_and_count_each_batch_once(tmp_path, monkeypatch):
+    from mac_moesd.progress import Progress
+    import random
+
+    class Steps(Progress):
+        def __init__(self):
+            self.labels = []
+
+        def advance(self, label):
+            self.labels.append(label)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("nothing is built when every chain is kept")
+
+    cfg = small_sweep("tiny-moe", draft="tiny-draft", gamma=2)
+    m = {"median_s": 0.003}
+    entry = {"draft_chains": {"tiny-draft": {"points": {k: m for k in ("1x1", "1x2", "2x1", "2x2")},
+                                             "skipped": "an earlier run's reason"}}}
+    monkeypatch.setattr(sweep.models, "build", no_build)
+    progress = Steps()
+    sweep.measure_chains_with(None, entry, cfg, models.resolve("tiny-draft"), ResultsStore(tmp_path / "r.json", META),
+                              None, progress, random.Random(0))
+    assert progress.labels == ["tiny-draft chain after the target B=1 (kept)", "tiny-draft chain after the target B=2 (kept)"]
+    assert "skipped" not in entry["draft_chains"]["tiny-draft"]
 
 
 @pytest.mark.slow  # loads and times models end to end

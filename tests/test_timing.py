@@ -1,3 +1,4 @@
+import itertools
 import json
 import random
 
@@ -70,6 +71,27 @@ def test_what_runs_before_a_sample_is_not_timed(monkeypatch):
     # run_untimed is what ``before`` does with a point: it runs, evaluates and resets it.
     timing.run_untimed(timing.Point(run, reset=lambda: order.append("reset")))
     assert order[3:] == ["run", "reset"]
+
+
+def test_what_runs_before_a_sample_counts_in_the_points_budget(monkeypatch):
+    # 5 s untimed before each 0.1 s sample: a 1 s budget is spent at the fewest repeats, not after 10.
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def advance(seconds):
+        now[0] += seconds
+
+    durations = itertools.cycle([0.1, 0.15, 0.05])  # samples that differ: no CI stops them early
+
+    def run():
+        advance(next(durations))
+        return mx.ones((1,))
+
+    budget = timing.Budget(warmup=0, min_repeats=3, max_repeats=50, seconds_per_point=0.95, per_visit=1, target_ci=0.0)
+    m = timing.measure({"a": timing.Point(run, before=lambda: advance(5.0))}, budget, random.Random(0))["a"]
+    assert m["repeats"] == 3 and m["median_s"] == pytest.approx(0.1)
+    # Without it, the same samples run until their own 0.1 s each fill the budget: 10 of them.
+    assert timing.measure({"a": timing.Point(run)}, budget, random.Random(0))["a"]["repeats"] == 10
 
 
 def test_grouped_points_are_visited_back_to_back_every_round():

@@ -210,6 +210,10 @@ def test_a_verdict_row_carries_the_break_even_values_and_its_measurement():
     # The timed drafter phase took 0.8 ms where the model prices 0.5 ms: that term differs most.
     assert row["differs_most"]["term"] == "drafter steps"
     assert row["differs_most"]["model_over_measured"] == pytest.approx(0.625)
+    # Run by the suite's loop, whose timed draft part counts the catch-up step after the 0.8^5 of
+    # rounds that accepted every draft, the model's counts it too: (0.5 + 0.32768 x 0.1) / 0.8.
+    fed = verdict.differing_term(FittedModel.from_document(doc), {**run, "engine": "mac-moesd loop"}, 64, 0.8)
+    assert fed["ratios"]["drafter steps"] == pytest.approx((0.5 + 0.8 ** 5 * 0.1) / 0.8)
     run["measured_ci"] = [1.5, 1.6]
     (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "rule": "greedy", "alpha": 0.8}],
                                   64, runs=[run])

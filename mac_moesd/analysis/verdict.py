@@ -151,13 +151,18 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float |
     measured = run.get("round")
     if not measured:
         return None
-    gamma = run["gamma"]
-    plain, verify_s, draft, _ = (float(x) for x in model.step_times(run["batch"], gamma, context))
+    gamma, batch = run["gamma"], run["batch"]
+    plain, verify_s, draft, _ = (float(x) for x in model.step_times(batch, gamma, context))
     realised = run.get("measured_alpha", run.get("alpha"))
+    # The run's draft part counts the catch-up step its loop fed the drafter (round_prediction), so
+    # the model's does too, at the realised acceptance (none where the run did not record one).
+    fed = (float(model.catch_up(batch, gamma, realised, spec_runs.feeds_last_draft(run)))
+           if realised is not None else 0.0)
+    drafting = gamma * draft + fed * (draft - float(model.start_share(batch, gamma)))
     ratios = {
         "plain step": plain / measured["plain_s"],
         "verify": verify_s / measured["verify_s"] if measured["verify_s"] else None,
-        "drafter steps": gamma * draft / measured["draft_s"] if measured["draft_s"] else None,
+        "drafter steps": drafting / measured["draft_s"] if measured["draft_s"] else None,
         "acceptance": (float(theory.expected_tokens_per_round(alpha, gamma))
                        / float(theory.expected_tokens_per_round(realised, gamma)))
                        if realised is not None and alpha is not None else None,

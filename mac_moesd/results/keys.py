@@ -54,14 +54,17 @@ def chains_of(entry: dict, drafter: str) -> dict:
 
 def chain_record(entries: list[dict], drafter: str) -> tuple[dict, int | None]:
     """``drafter``'s chains after a verify of this target, and the target's layers they followed:
-    from the deepest of a sweep's entries (its slices) that holds a record; an empty record and
-    None where none does."""
-    holding = [e for e in entries if (e.get(DRAFT_CHAINS, {}).get(drafter) or {}).get("points")
-               or (e.get(DRAFT_CHAINS, {}).get(drafter) or {}).get("skipped")]
-    if not holding:
-        return {"points": {}}, None
-    entry = max(holding, key=lambda e: e.get("layers", 0))
-    return entry[DRAFT_CHAINS][drafter], entry.get("layers")
+    from the deepest of a sweep's entries (its slices) that holds chains, else the deepest that
+    says why it holds none; an empty record and None where none does either."""
+    def record(entry: dict) -> dict:
+        return entry.get(DRAFT_CHAINS, {}).get(drafter) or {}
+
+    for wanted in ("points", "skipped"):
+        holding = [e for e in entries if record(e).get(wanted)]
+        if holding:
+            entry = max(holding, key=lambda e: e.get("layers", 0))
+            return record(entry), entry.get("layers")
+    return {"points": {}}, None
 
 
 def chain_points(record: dict) -> list[tuple[int, int, float]]:

@@ -231,7 +231,8 @@ def measure(
                 elapsed = finite_time(points[key])
                 samples[key].append(elapsed)
                 # What runs untimed before a sample is spent on the point too: the budget bounds
-                # the time a point takes, whatever part of it the clock measures.
+                # the time a point takes, whatever part of it the clock measures. (This rank's own
+                # wall time: sharded sweeps time no such point, so their ranks stay in step.)
                 spent[key] += time.perf_counter() - start if points[key].before is not None else elapsed
             if finished(key):
                 done[key] = summarise(samples[key], budget.target_ci, budget.warmup)

@@ -439,6 +439,7 @@ def measure_chains_with(target: models.Built, entry: dict, cfg: SweepConfig, sou
     for b in sorted(set(cfg.batches) - {b for b, _ in todo}):
         progress.advance(f"{source.name} chain after the target B={b} (kept)")
     if not todo:
+        record.pop("skipped", None)  # an earlier run's reason, for chains this run did not need
         return
     draft_cfg = draft_config(cfg)
     built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
