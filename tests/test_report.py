@@ -324,3 +324,18 @@ def test_a_prompt_lookup_run_beside_the_fit_leaves_the_acceptance_range_to_the_r
     md = report.write_report(data, tmp_path)["markdown"].read_text()
     realised = [r.get("measured_alpha", r["alpha"]) for r in with_alpha]
     assert f"realised {min(realised):.2f}-{max(realised):.2f})" in md
+
+
+def test_the_fits_drafter_start_is_worded_with_its_share_of_a_batch_one_round():
+    from test_fit import hand_fit_doc
+
+    from mac_moesd.reporting import report
+
+    # hand_fit_doc at context 0, B = 1, gamma 4: the start 0.2 + 0.1 + 3 x 0.05 = 0.45 ms on top of
+    # four 0.1 ms steps and a 1.2 ms verify (mlx-lm's batch 1: no catch-up step): 0.45 / 2.05 = 22%.
+    doc = {**hand_fit_doc(), "context": 0,
+           "draft_start": {"a_s": 0.2e-3, "b_s": 0.1e-3, "c_s": 0.05e-3, "points": 12, "mape": 0.03}}
+    (line,) = report._draft_start_lines(doc)
+    assert "T_start(B, gamma) = 0.200 ms + 0.1000 ms x B + 0.050 ms x (gamma - 1)" in line
+    assert "12 of them" in line and line.endswith(": 22% of a batch-1 round at gamma 4, alpha 0.7")
+    assert report._draft_start_lines({**doc, "draft_start": {"points": 0}}) == []

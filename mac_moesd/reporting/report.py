@@ -369,34 +369,40 @@ def _fit(d: Digest, figures: dict[str, Path]) -> list[Block]:
 
 def _bookkeeping_lines(f: dict) -> list[str]:
     """The fit's term for the SD loop's own work a round, and its share of a batch-1 round."""
-    book = f.get("bookkeeping") or {}
-    if not book.get("points"):
-        return []
-    text = (f"the SD loop's own work a round besides its forwards (the token choice, the one "
-            f"synchronisation, the acceptance decision: an empty round the sweep timed at {book['points']} "
-            f"batches) is T_book(B) = {book['a_s'] * 1e3:.3f} ms + {book['b_s'] * 1e3:.4f} ms x B "
-            f"(MAPE {pct(book['mape'])}), priced in every predicted round")
-    model = fit_module.FittedModel.from_document(f)
-    if model.drafted:
-        cost = verdict.round_cost(model, 1, 4, f["context"], TYPICAL_ALPHA)
-        text += f": {cost.bookkeeping / cost.round:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"
-    return [text]
+    return _round_term_lines(f, "bookkeeping", lambda book: (
+        f"the SD loop's own work a round besides its forwards (the token choice, the one "
+        f"synchronisation, the acceptance decision: an empty round the sweep timed at {book['points']} "
+        f"batches) is T_book(B) = {book['a_s'] * 1e3:.3f} ms + {book['b_s'] * 1e3:.4f} ms x B "
+        f"(MAPE {pct(book['mape'])}), priced in every predicted round"), lambda model, cost: cost.bookkeeping)
 
 
 def _draft_start_lines(f: dict) -> list[str]:
     """The fit's term for the drafter's start after a verify, and its share of a batch-1 round."""
-    start = f.get("draft_start") or {}
-    if not start.get("points"):
+    return _round_term_lines(f, "draft_start", lambda start: (
+        f"the drafter's chain right after the target's verify, as a round runs it, costs beyond its fitted "
+        f"steps (chains the sweep timed after a verify, {start['points']} of them) "
+        f"T_start(B, gamma) = {start['a_s'] * 1e3:.3f} ms + {start['b_s'] * 1e3:.4f} ms x B + "
+        f"{start.get('c_s', 0.0) * 1e3:.3f} ms x (gamma - 1) (MAPE {pct(start['mape'])} of a chain), "
+        f"priced in every predicted round"), lambda model, cost: float(round_terms.seconds(model.draft_start, 1, 4)))
+
+
+def _round_term_lines(f: dict, key: str, describe, part) -> list[str]:
+    """A fitted term a round (``round_terms``), as ``describe(term)`` words it, with its share of
+    a batch-1 round; none where the sweep timed nothing for it."""
+    term = f.get(key) or {}
+    if not term.get("points"):
         return []
-    text = (f"the drafter's chain right after the target's verify, as a round runs it, costs beyond its fitted "
-            f"steps (chains the sweep timed after a verify, {start['points']} of them) "
-            f"T_start(B, gamma) = {start['a_s'] * 1e3:.3f} ms + {start['b_s'] * 1e3:.4f} ms x B + "
-            f"{start.get('c_s', 0.0) * 1e3:.3f} ms x (gamma - 1) (MAPE {pct(start['mape'])} of a chain), "
-            f"priced in every predicted round")
+    return [describe(term) + _batch_one_share(f, part)]
+
+
+def _batch_one_share(f: dict, part) -> str:
+    """": N% of a batch-1 round at gamma 4" for the seconds ``part(model, cost)`` of that round
+    (``verdict.round_cost``); nothing where the fit has no drafter to price a round with."""
     model = fit_module.FittedModel.from_document(f)
+    if not model.drafted:
+        return ""
     cost = verdict.round_cost(model, 1, 4, f["context"], TYPICAL_ALPHA)
-    share = float(round_terms.seconds(model.draft_start, 1, 4)) / cost.round
-    return [text + f": {share:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"]
+    return f": {part(model, cost) / cost.round:.0%} of a batch-1 round at gamma 4, alpha {TYPICAL_ALPHA}"
 
 
 def _recurrence_lines(f: dict) -> list[str]:
