@@ -43,15 +43,16 @@ class RoundCost:
         return tokens_per_round * self.plain / self.round
 
 
-def round_cost(model: FittedModel, batch: int, gamma: int, context: int, alpha: float,
-               verify: str = DEFAULT_VERIFY) -> RoundCost:
+def round_cost(model: FittedModel, batch: int, gamma: int, context: float, alpha: float,
+               verify: str = DEFAULT_VERIFY, loop: bool | None = None) -> RoundCost:
     """The fitted model's prices of one round at acceptance ``alpha`` and one plain step at the
     run's context, each forward as the loops run it (``FittedModel.step_times`` and
     ``rollback_time``, the account ``FittedModel.speedup`` uses), so ``round_cost(...).speedup(Omega)``
-    is the predicted S and the parts add up to it."""
+    is the predicted S and the parts add up to it. ``loop``: whether the loop feeds the drafter
+    its last draft after a fully accepted round (``FittedModel.catch_up``; None: by batch)."""
     plain, verify_s, draft_step, reject = model.step_times(batch, gamma, context, verify)
     rollback = model.rollback_time(batch, gamma, alpha, context)
-    fed = float(model.catch_up(batch, gamma, alpha))  # the drafter fed its last draft (FittedModel.speedup)
+    fed = float(model.catch_up(batch, gamma, alpha, loop))  # the drafter fed its last draft (FittedModel.speedup)
     draft = gamma * float(draft_step) + fed * float(draft_step - model.start_share(batch, gamma))
     return RoundCost(float(plain), float(verify_s), draft, float(reject),
                      float(rollback), float(round_terms.seconds(model.bookkeeping, batch)))
@@ -151,27 +152,24 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float |
     measured = run.get("round")
     if not measured:
         return None
-    gamma, batch = run["gamma"], run["batch"]
-    plain, verify_s, draft, _ = (float(x) for x in model.step_times(batch, gamma, context))
+    gamma = run["gamma"]
     realised = run.get("measured_alpha", run.get("alpha"))
     # The run's draft part counts the catch-up step its loop fed the drafter (round_prediction), so
     # the model's does too, at the realised acceptance (none where the run did not record one).
-    fed = (float(model.catch_up(batch, gamma, realised, spec_runs.feeds_last_draft(run)))
-           if realised is not None else 0.0)
-    drafting = gamma * draft + fed * (draft - float(model.start_share(batch, gamma)))
+    cost = round_cost(model, run["batch"], gamma, context, 0.0 if realised is None else realised,
+                      loop=False if realised is None else spec_runs.feeds_last_draft(run))
     ratios = {
-        "plain step": plain / measured["plain_s"],
-        "verify": verify_s / measured["verify_s"] if measured["verify_s"] else None,
-        "drafter steps": drafting / measured["draft_s"] if measured["draft_s"] else None,
+        "plain step": cost.plain / measured["plain_s"],
+        "verify": cost.verify / measured["verify_s"] if measured["verify_s"] else None,
+        "drafter steps": cost.draft / measured["draft_s"] if measured["draft_s"] else None,
         "acceptance": (float(theory.expected_tokens_per_round(alpha, gamma))
                        / float(theory.expected_tokens_per_round(realised, gamma)))
                        if realised is not None and alpha is not None else None,
     }
     if model.reforward and measured.get("rollback_s") and realised is not None:
-        ratios["rollback"] = (float(model.rollback_time(run["batch"], gamma, realised, context))
-                              / measured["rollback_s"])
+        ratios["rollback"] = cost.rollback / measured["rollback_s"]
     if model.bookkeeping["points"] and measured.get("bookkeeping_s"):
-        ratios["bookkeeping"] = float(round_terms.seconds(model.bookkeeping, run["batch"])) / measured["bookkeeping_s"]
+        ratios["bookkeeping"] = cost.bookkeeping / measured["bookkeeping_s"]
     ratios = {k: v for k, v in ratios.items() if v is not None}
     term = max(ratios, key=lambda k: abs(ratios[k] - 1))
     return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}

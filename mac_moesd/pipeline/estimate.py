@@ -200,10 +200,8 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) 
         seconds += sum(grid_point_seconds(forward_seconds(draft, rates, b, 1, plan.context), plan.budget, 1)
                        for b in plan.batches)
         models_used.append(cfg.draft)
-        # As sweep.measure_chains_with, after the last slice: the target verifying gamma + 1 tokens.
-        last = models.build(source, dtype, plan.bits, slices[-1])
-        verifying = replace(cfg, tokens=tuple(sorted({*cfg.tokens, cfg.gamma + 1})))
-        together = need["peak_bytes"] + sweep.estimate_bytes(last, verifying)
+        last = models.build(source, dtype, plan.bits, slices[-1])  # as sweep.measure_chains_with
+        together = sweep.chains_bytes(last, draft, cfg)
         if usable is None or together <= usable:
             seconds += _chain_seconds(last, draft, rates, plan, cfg.gamma)
             peak = max(peak, together)

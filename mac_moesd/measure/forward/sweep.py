@@ -443,9 +443,7 @@ def measure_chains_with(target: models.Built, entry: dict, cfg: SweepConfig, sou
         return
     draft_cfg = draft_config(cfg)
     built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
-    # The target's memory with its verify of gamma + 1 tokens, which the grid may not reach.
-    verifying = replace(cfg, tokens=tuple(sorted({*cfg.tokens, cfg.gamma + 1})))
-    need = estimate_bytes(target, verifying) + estimate_bytes(built, draft_cfg)
+    need = chains_bytes(target, built, cfg)
     if why_not is None and available_bytes is not None and need > available_bytes:
         why_not = (f"the target and {source.name} together need about {human_bytes(need)}, "
                    f"{human_bytes(available_bytes)} is usable")
@@ -460,6 +458,13 @@ def measure_chains_with(target: models.Built, entry: dict, cfg: SweepConfig, sou
     draft_chain.measure_chains(target, built, todo, cfg.context, record, cfg.budget, store.save, progress, rng)
     store.save()
     del built
+
+
+def chains_bytes(target: models.Built, draft: models.Built, cfg: SweepConfig) -> int:
+    """Peak memory of timing the drafter's chains: both models, the target verifying gamma + 1
+    tokens (which its grid may not reach), the drafter stepping."""
+    verifying = replace(cfg, tokens=tuple(sorted({*cfg.tokens, cfg.gamma + 1})))
+    return estimate_bytes(target, verifying) + estimate_bytes(draft, draft_config(cfg))
 
 
 def chains_document(entries: list[dict], drafter: str) -> dict:
