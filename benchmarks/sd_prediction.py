@@ -2,11 +2,11 @@
 
 Runs what `mac-moesd run` runs for one MoE, through the CLI, into one results folder: the quick
 roofline, the sweep of the target with the drafter at the default budget, the fit, then SD over
-B 1,2,4 x gamma 2,4 (emulated acceptance: random-weight models accept nothing on their own), each
-configuration measured until the 95% CI of its median speedup is within +-precision or its
-budget is spent. Each run carries two predictions (docs/design.md §4.5): `measured`, from the
-round's parts timed by the SD stage beside its pairs, and `model`, from the fit (both at the
-acceptance the run realised and its own context).
+B 1,2,4 x gamma 2,4, 32 tokens a run as `run` times them (emulated acceptance: random-weight
+models accept nothing on their own), each configuration measured until the 95% CI of its median
+speedup is within +-precision or its budget is spent. Each run carries two predictions
+(docs/design.md §4.5): `measured`, from the round's parts timed by the SD stage beside its pairs,
+and `model`, from the fit (both at the acceptance the run realised and its own context).
 
 Goals on the CPU backend with OpenBLAS, on a quiet machine:
 - every CI half-width <= 3% (a configuration whose budget ran out first says so);
@@ -51,7 +51,7 @@ def main() -> int:
     parser.add_argument("--draft", default="tiny-draft")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--alpha", default="0.7")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence per SD run")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per sequence per SD run (as `spec` and `run`)")
     parser.add_argument("--budget", default="120", help="seconds per SD configuration")
     parser.add_argument("--precision", default="0.03")
     parser.add_argument("--out", help="results folder to keep (default: a temporary one)")

@@ -129,3 +129,12 @@ def test_the_sd_stage_finds_its_document_whatever_prompts_the_models_decode():
     assert not spec_stage.done({"spec": {"tiny-moe|tiny-draft|emulated-acceptance|code": invalid}})
     assert not spec_stage.done({"spec": {"tiny-moe|tiny-draft|real|code": valid,
                                          "tiny-moe-8x2|tiny-draft|emulated-acceptance": valid}})
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_run_and_spec_time_sd_runs_of_one_length(backend, quick):
+    """Short runs pair closer in time (speedup.RUN_TOKENS): `spec` and every default plan use it."""
+    assert plans.default_plan(backend, quick).spec_tokens == speedup.RUN_TOKENS
+    spec_tokens = next(p for p in cli.commands["spec"].params if p.name == "new_tokens")
+    assert spec_tokens.default == speedup.RUN_TOKENS == speedup.SpecConfig("t", "d").new_tokens

@@ -67,7 +67,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
             batches=(1, 2, 4, 8), tokens=(1, 2, 3, 4, 6, 8), context=64, bits=None,
             budget=timing.QUICK if quick else timing.Budget(seconds_per_point=1.0),
             roofline=roofline.QUICK if quick else roofline.RooflineConfig(sizes=roofline.QUICK.sizes + (512 * roofline.MiB,)),
-            spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=32 if quick else 64,
+            spec_batches=(1, 2, 4), spec_gammas=(2, 4), spec_tokens=speedup.RUN_TOKENS,
             spec_repeats=8, routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
             spec_stop_when_decided=quick,
         )
@@ -86,7 +86,7 @@ def default_plan(backend: str, quick: bool, full: bool = False) -> Plan:
         budget=timing.QUICK if quick else timing.Budget(),
         roofline=roofline.QUICK if quick else roofline.RooflineConfig(),
         spec_batches=(1, 4) if quick else (1, 2, 4, 8), spec_gammas=(2, 4),
-        spec_tokens=32 if quick else 64, spec_repeats=8,
+        spec_tokens=speedup.RUN_TOKENS, spec_repeats=8,
         routing_batches=(1, 2, 4, 8, 16, 32), spec_budget_s=30.0 if quick else 120.0,
         spec_stop_when_decided=quick,
     )

@@ -64,7 +64,7 @@ from mac_moesd.measure.caches import rollback as rollbacks
 if TYPE_CHECKING:
     from mac_moesd.inputs.models import Sources
 
-__all__ = ["SpecConfig", "require_valid", "run_spec", "stored_and_valid"]
+__all__ = ["RUN_TOKENS", "SpecConfig", "require_valid", "run_spec", "stored_and_valid"]
 
 MODES = ("real", "self-draft", "emulated-acceptance")
 RANDOM_IDS = "random token ids"
@@ -72,6 +72,14 @@ LOOP = "mac-moesd loop"
 # Batch 1, real mode, where mlx-lm's SD would not roll these caches back correctly.
 LOOP_FOR_MLX_LM = "mac-moesd loop (mlx-lm cannot roll these caches back)"
 LOOP_FOR_LOOKUP = "mac-moesd loop (mlx-lm has no prompt lookup)"
+# Tokens each sequence generates per timed run, in `spec` and in every `run`. The machine's noise
+# comes in phases longer than a token (one-token steps correlate over tens of steps), so two short
+# runs back to back see more of the same phase than two long ones: on the suite's 2-core CPU box
+# plain runs timed against themselves (benchmarks/pair_noise.py) needed 22 s of timed decoding
+# for a +-3% median at 32 tokens against 39 s at 64 (tiny-moe), 59 s against 94 s (its hybrid
+# twin). A short run wastes no verified tokens: the suite's loop counts those its last round
+# overshot, and mlx-lm drafts no more than the run has left.
+RUN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,7 @@ class SpecConfig:
     alphas: tuple[float, ...] = (theory.DEFAULT_ALPHA,)
     mode: str = "emulated-acceptance"
     context: int = 64  # prompt tokens of a random-weight model (real prompts set their own)
-    new_tokens: int = 32  # tokens each sequence generates per timed run
+    new_tokens: int = RUN_TOKENS  # tokens each sequence generates per timed run
     repeats: int = 8  # the fewest (plain, SD) pairs a configuration takes
     precision: float = 0.03  # pairs until the median ratio's 95% CI is within +-this of it...
     budget_s: float = 120.0  # ...or this many seconds of the configuration are spent
