@@ -6,9 +6,11 @@ one pair's ratio varies. This script times the suite's own plain run (``Decoder.
 one-token steps of the target, the caches reset to the prompt before each run) against itself,
 A then B, where both are the same plain decode, so every bit of the ratio's spread is the machine's:
 
-1. A/A pairs at several run lengths (tokens per run), each for ``--seconds``: the per-pair CV, the
-   pairs a +-3% CI of the median would need at that CV (normal approximation: the median's
-   standard error is 1.2533 sigma / sqrt(n)), and the seconds of timed decoding that takes.
+1. A/A pairs at several run lengths (tokens per run), taking turns (a pair of each length per
+   turn, in shuffled order) for ``--seconds`` times the number of lengths, so that every length
+   sees the same phases of the machine: the per-pair CV, the pairs a +-3% CI of the median would
+   need at that CV (normal approximation: the median's standard error is 1.2533 sigma /
+   sqrt(n)), and the seconds of timed decoding that takes.
 2. A series of synchronous one-token steps: their CV and autocorrelation by lag, which say whether
    the noise is independent from token to token (then a run's CV falls as 1/sqrt(tokens)) or comes
    in slower phases (then it does not, and no pair schedule of whole runs removes it).
@@ -17,6 +19,7 @@ A then B, where both are the same plain decode, so every bit of the ratio's spre
 """
 
 import argparse
+import random
 import statistics
 import time
 
@@ -32,23 +35,32 @@ MEDIAN_EFFICIENCY = 1.2533  # the sample median's standard error over the mean's
 TARGET = 0.03
 
 
-def aa_pairs(decoder: Decoder, tokens: int, seconds: float) -> tuple[list[float], float]:
-    """Ratios of back-to-back plain runs (A's tokens/s over B's) until ``seconds`` have passed,
-    and the mean timed seconds of a pair."""
-    def run() -> float:
+def aa_pairs(decoder: Decoder, lengths: list[int], seconds: float, seed: int = 0
+             ) -> dict[int, tuple[list[float], float]]:
+    """Ratios of back-to-back plain runs (A's tokens/s over B's) at each run length, and the mean
+    timed seconds of a pair. The lengths take turns, one pair of each in a shuffled order per
+    turn, for ``seconds`` times the number of lengths: every length sees the same phases of the
+    machine."""
+    def run(tokens: int) -> float:
         decoder.reset()
         settle()
         start = time.perf_counter()
         decoder.plain(tokens)
         return time.perf_counter() - start
 
-    run(), run()  # warm-up: every shape compiled
-    ratios, timed, end = [], [], time.perf_counter() + seconds
+    for tokens in lengths:  # warm-up: every shape compiled
+        run(tokens), run(tokens)
+    ratios: dict[int, list[float]] = {t: [] for t in lengths}
+    timed: dict[int, list[float]] = {t: [] for t in lengths}
+    order, rng = list(lengths), random.Random(seed)
+    end = time.perf_counter() + seconds * len(lengths)
     while time.perf_counter() < end:
-        a, b = run(), run()
-        ratios.append(b / a)
-        timed.append(a + b)
-    return ratios, statistics.mean(timed)
+        rng.shuffle(order)
+        for tokens in order:
+            a, b = run(tokens), run(tokens)
+            ratios[tokens].append(b / a)
+            timed[tokens].append(a + b)
+    return {t: (ratios[t], statistics.mean(timed[t])) for t in lengths}
 
 
 def step_series(decoder: Decoder, seconds: float, cycle: int = 64) -> np.ndarray:
@@ -82,8 +94,8 @@ def main():
 
     print(f"{args.model}, batch {args.batch}, context {args.context}: plain runs timed against themselves")
     print("tokens  pairs  per-pair CV  pairs for +-3%  timed s for +-3%")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        ratios, pair_s = aa_pairs(decoder, tokens, args.seconds)
+    lengths = [int(t) for t in args.tokens.split(",")]
+    for tokens, (ratios, pair_s) in aa_pairs(decoder, lengths, args.seconds).items():
         cv = statistics.stdev(ratios) / statistics.mean(ratios)
         needed = (1.96 * MEDIAN_EFFICIENCY * cv / TARGET) ** 2
         print(f"{tokens:6d}  {len(ratios):5d}  {cv:10.1%}  {needed:14.0f}  {needed * pair_s:16.1f}")

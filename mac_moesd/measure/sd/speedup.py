@@ -73,12 +73,12 @@ LOOP = "mac-moesd loop"
 LOOP_FOR_MLX_LM = "mac-moesd loop (mlx-lm cannot roll these caches back)"
 LOOP_FOR_LOOKUP = "mac-moesd loop (mlx-lm has no prompt lookup)"
 # Tokens each sequence generates per timed run, in `spec` and in every `run`. The machine's noise
-# comes in phases longer than a token (one-token steps correlate over tens of steps), so two short
-# runs back to back see more of the same phase than two long ones: on the suite's 2-core CPU box
-# plain runs timed against themselves (benchmarks/pair_noise.py) needed 22 s of timed decoding
-# for a +-3% median at 32 tokens against 39 s at 64 (tiny-moe), 59 s against 94 s (its hybrid
-# twin). A short run wastes no verified tokens: the suite's loop counts those its last round
-# overshot, and mlx-lm drafts no more than the run has left.
+# comes in phases longer than a token, so two short runs back to back share more of one phase:
+# on the suite's 2-core CPU box a +-3% median of plain runs timed against themselves took 10 s of
+# timed decoding at 32 tokens against 24 s at 64 (tiny-moe; its hybrid twin 73 s and 69 s), and
+# the SD stage reached +-3% in every configuration of both (docs/design.md §4.5). A short run
+# wastes no verified token: the suite's loop counts those its last round overshot, and mlx-lm
+# drafts no more than the run has left.
 RUN_TOKENS = 32
 
 
