@@ -76,7 +76,7 @@ LOOP_FOR_LOOKUP = "mac-moesd loop (mlx-lm has no prompt lookup)"
 # comes in phases longer than a token, so two short runs back to back share more of one phase:
 # on the suite's 2-core CPU box a +-3% median of plain runs timed against themselves took 10 s of
 # timed decoding at 32 tokens against 24 s at 64 (tiny-moe; its hybrid twin 73 s and 69 s), and
-# the SD stage reached +-3% in every configuration of both (docs/design.md §4.5). A short run
+# the SD stage reached +-3% within its budget more often (docs/design.md §4.5). A short run
 # wastes no verified token: the suite's loop counts those its last round overshot, and mlx-lm
 # drafts no more than the run has left.
 RUN_TOKENS = 32
