@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,6 +13,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models
 from mac_moesd.measure.forward import sweep
+from mac_moesd.measure.sd import speedup
 from mac_moesd.cli import cli
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.pipeline import estimate
@@ -256,3 +258,15 @@ def test_spec_slices_target_and_drafter_alike_or_refuses():
     assert target.layers == 2 and draft.layers == 1
     with pytest.raises(MacMoesdError, match="B is usable here"):
         speedup.plan_models(cfg, 1000)
+
+
+def test_an_sd_configurations_eta_counts_its_pairs_and_the_parts_after_them():
+    # plain 1 s and SD 0.5 s a run, no prefill: a pair with its parts costs 1 + 2 * 0.5 = 2 s.
+    # To +-3% at the assumed 5% spread: ceil((1.96 * 1.2533 * 0.05 / 0.03)^2) = 17 pairs, then the
+    # parts alone 32 - 17 = 15 times at about one SD run each: 1.5 (warm-up) + 34 + 7.5 = 43 s.
+    full = speedup.SpecConfig(target="tiny-moe", draft="tiny-draft")
+    assert estimate._configuration_seconds(full, 1.0, 0.5) == pytest.approx(43.0)
+    # A quick run: its fewest pairs (8), the parts once a pair; a budget caps either.
+    quick = replace(full, stop_when_decided=True)
+    assert estimate._configuration_seconds(quick, 1.0, 0.5) == pytest.approx(1.5 + 16.0)
+    assert estimate._configuration_seconds(replace(full, budget_s=30.0), 1.0, 0.5) == pytest.approx(31.5)

@@ -82,6 +82,43 @@ def test_paired_stops_when_its_budget_is_spent(monkeypatch):
     assert plain_times == spec_times == [1.0] * 12
 
 
+def test_the_rounds_parts_are_topped_up_on_the_last_pairs_caches(monkeypatch):
+    # Every pair agrees, so the pairs stop at their fewest (3); the parts, timed once a pair, are
+    # then timed on pair 2's readied caches until they have 5 samples, with nothing else run.
+    clock = iter(range(10_000))
+    monkeypatch.setattr(speedup.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(speedup, "settle", lambda: None)
+    events = []
+    plain_times, *_ = speedup.paired(
+        lambda: events.append("plain") or Decoded(10), lambda: events.append("sd") or Decoded(10),
+        lambda i: events.append(f"prepare {i}"), speedup.Precision(3, 0.03, 1e9, parts_samples=5),
+        lambda i: events.append(f"parts {i}"))
+    assert len(plain_times) == 3
+    pairs = [e for i in range(3) for e in (f"prepare {i}", "plain", f"prepare {i}", "sd", f"prepare {i}", f"parts {i}")]
+    assert events == ["prepare 0", "plain", "prepare 0", "sd", *pairs,
+                      "prepare 2", "parts 2", "prepare 2", "parts 2", "prepare None"]
+
+
+def test_the_parts_top_up_stops_at_the_budget(monkeypatch):
+    # The fake clock reads 0 at the start and +1 a reading: the check after 3 pairs reads 16
+    # (1, then 4 readings a pair and its check); a budget of 18 s allows one top-up sample (its
+    # check reads 17, the next one's 18), not the 7 the minimum asks for.
+    clock = iter(range(10_000))
+    monkeypatch.setattr(speedup.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(speedup, "settle", lambda: None)
+    parts = []
+    speedup.paired(lambda: Decoded(10), lambda: Decoded(10), lambda i: None,
+                   speedup.Precision(3, 0.03, 18.0, parts_samples=10), parts.append)
+    assert parts == [0, 1, 2, 2]
+
+
+def test_a_quick_run_times_the_parts_once_a_pair_and_a_full_one_to_their_fewest():
+    quick = speedup.SpecConfig(target="tiny-moe", draft="tiny-draft", stop_when_decided=True)
+    full = speedup.SpecConfig(target="tiny-moe", draft="tiny-draft")
+    assert speedup.Precision.of(quick).parts_samples == 0
+    assert speedup.Precision.of(full).parts_samples == speedup.PARTS_SAMPLES == 32
+
+
 def test_a_round_priced_from_its_timed_parts():
     # Plain decode 0.9 ms a step (pipelined); a synchronous one-token forward 1.0 ms, so 0.1 ms
     # is hidden, and the 1.2 ms verify costs 1.1 ms in the loop; four draft steps chained 0.28 ms;

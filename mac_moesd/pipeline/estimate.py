@@ -280,11 +280,14 @@ def _configuration_seconds(cfg: speedup.SpecConfig, plain: float, sd: float, pre
     prefill where ``prefill``) until the precision is expected to be met (``PAIR_SPREAD``), or
     (a quick run, ``stop_when_decided``) ``repeats`` pairs, assuming the answer is decided by
     then (``SD_STOP_ASSUMED``), at least ``repeats`` and at most the budget; the round's parts
-    timed after each pair cost about one more SD run."""
+    timed after each pair cost about one more SD run, and so does each sample of them a
+    configuration measured to its precision takes after its pairs (``Precision.parts_samples``)."""
+    precision = speedup.Precision.of(cfg)
     pairs = (cfg.repeats if cfg.stop_when_decided
              else max(cfg.repeats, math.ceil((1.96 * 1.2533 * PAIR_SPREAD / cfg.precision) ** 2)))
     each = plain + 2 * sd + prefill
-    return plain + sd + min(pairs * each, max(cfg.budget_s, cfg.repeats * each))
+    parts_after = max(precision.parts_samples - pairs, 0) * sd
+    return plain + sd + min(pairs * each + parts_after, max(cfg.budget_s, cfg.repeats * each))
 
 
 def _prefills(t, d, rates: Rates, batch: int, context: int) -> float:

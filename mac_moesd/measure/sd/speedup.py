@@ -80,6 +80,11 @@ LOOP_FOR_LOOKUP = "mac-moesd loop (mlx-lm has no prompt lookup)"
 # wastes no verified token: the suite's loop counts those its last round overshot, and mlx-lm
 # drafts no more than the run has left.
 RUN_TOKENS = 32
+# The fewest samples of a round's parts a configuration measured to its precision takes: after its
+# pairs stop, the parts are timed on (within its budget) until they have this many. One sample a
+# pair leaves a configuration whose CI closed at 11-16 pairs with parts whose sum strays 5-7% (a
+# round's parts on tiny-moe, B=1 gamma 2, in 16-sample chunks: -5%..+7%; in 32: -2.5%..+2.8%).
+PARTS_SAMPLES = 32
 
 
 @dataclass(frozen=True)
@@ -201,16 +206,20 @@ class Precision:
     95% CI of the median per-pair speedup (``timing.median_ci``) is within +-``target`` of the median, or (with
     ``stop_when_decided``, a quick run) once that CI lies wholly more than ``target`` away from
     1.0, so that more pairs would narrow the figure but not change the answer, or once
-    ``budget_s`` seconds of the configuration are spent."""
+    ``budget_s`` seconds of the configuration are spent. ``parts_samples``: the fewest times
+    ``paired``'s ``between`` runs (the round's parts), topped up after the pairs within the budget;
+    a quick run takes one a pair (``PARTS_SAMPLES`` otherwise)."""
 
     min_pairs: int
     target: float
     budget_s: float
     stop_when_decided: bool = False
+    parts_samples: int = 0
 
     @classmethod
     def of(cls, cfg: SpecConfig) -> Precision:
-        return cls(cfg.repeats, cfg.precision, cfg.budget_s, cfg.stop_when_decided)
+        return cls(cfg.repeats, cfg.precision, cfg.budget_s, cfg.stop_when_decided,
+                   0 if cfg.stop_when_decided else PARTS_SAMPLES)
 
     def half_width(self, speedups: list[float], ci: tuple[float, float] | None = None) -> float:
         low, high = ci or timing.median_ci(speedups)
@@ -271,7 +280,9 @@ def paired(plain, speculative, prepare, precision: Precision,
     enough pairs. ``prepare(i)`` readies pair i (its prompt, caches back to the prefill) outside
     the timed region, which then waits for the device to finish all earlier work (``settle``);
     ``between(i)``, called on pair i's readied caches after its two runs, times what else the
-    stage measures beside them. Returns both lists of times and of results."""
+    stage measures beside them, and again on the last pair's caches after the pairs stop until it
+    has run ``precision.parts_samples`` times or the budget is spent. Returns both lists of times
+    and of results."""
     def ready(index):
         prepare(index)
         settle()
@@ -301,6 +312,11 @@ def paired(plain, speculative, prepare, precision: Precision,
             ready(i)
             between(i)
         i += 1
+    for _ in range(i, precision.parts_samples if between is not None else 0):
+        if time.perf_counter() - started >= precision.budget_s:
+            break
+        ready(i - 1)
+        between(i - 1)
     prepare(None)
     return plain_times, spec_times, plain_out, spec_out
 
@@ -435,12 +451,12 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
     decoder's prefilled caches (``prompt_cache``: the target's layers, then the drafter's);
     ``parts`` times the round's forwards after each pair."""
     sampler = shared_sampler(temperature, decoders.vocab)
-    contexts = []
+    contexts: dict[int, int] = {}
 
     def prepare(index):
         decoders.prepare(index)
         if index is not None:
-            contexts.append(decoders.context)
+            contexts[index] = decoders.context
 
     def plain():
         d = decoders.decoder
@@ -455,19 +471,19 @@ def mlx_lm_batch1(decoders: Decoders, new_tokens: int, gamma: int, temperature: 
                                                           decoders.parts_timer(parts, temperature))
     row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, precision)
     row["plain_step_s"] = statistics.median(plain_times) / new_tokens
-    return {**row, "engine": "mlx-lm", "context": statistics.mean(contexts[2:])}, plain_out, spec_out
+    return {**row, "engine": "mlx-lm", "context": statistics.mean(contexts.values())}, plain_out, spec_out
 
 
 def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | None, temperature: float,
              rng: np.random.Generator, parts: RoundParts | None = None) -> tuple[dict, list[Decoded], list[Decoded]]:
     """The suite's loop at the decoders' batch, paired with its plain decode; ``parts`` times
     the round's forwards after each pair."""
-    contexts = []
+    contexts: dict[int, int] = {}  # each pair's prompt's
 
     def prepare(index):
         decoders.prepare(index)
         if index is not None:
-            contexts.append(decoders.context)
+            contexts[index] = decoders.context
 
     plain_times, spec_times, plain_out, spec_out = paired(
         lambda: decoders.decoder.plain(cfg.new_tokens, temperature),
@@ -475,7 +491,7 @@ def loop_run(decoders: Decoders, cfg: SpecConfig, gamma: int, alpha: float | Non
         prepare, Precision.of(cfg), decoders.parts_timer(parts, temperature))
     row = summarise_pairs(plain_out, plain_times, spec_out, spec_times, Precision.of(cfg))
     row["plain_step_s"] = statistics.median(plain_times) / cfg.new_tokens
-    return {**row, "engine": LOOP, "context": statistics.mean(contexts[2:])}, plain_out, spec_out
+    return {**row, "engine": LOOP, "context": statistics.mean(contexts.values())}, plain_out, spec_out
 
 
 def estimate(cfg: SpecConfig, target, draft, context: int | None = None) -> dict:
