@@ -37,6 +37,7 @@ from mac_moesd.machine import blas
 from mac_moesd.measure.clock import timing
 from mac_moesd.measure.forward import draft_chain, points as timed, sweep
 from mac_moesd.measure.decoding.sd_loop import Decoder
+from mac_moesd.measure.sd.speedup import RUN_TOKENS
 from mac_moesd.results import point_key
 
 GOAL_MEDIAN, GOAL_WORST = 0.05, 0.10
@@ -115,7 +116,7 @@ def main() -> int:
     parser.add_argument("--kv-context", type=int, default=None,
                         help="second context of the one-token points (default: a quarter of --context, as the sweep's; 0: none)")
     parser.add_argument("--alpha", type=float, default=0.7)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per sequence per decode run")
+    parser.add_argument("--tokens", type=int, default=RUN_TOKENS, help="tokens per sequence per decode run (as `run` times them)")
     parser.add_argument("--rounds", type=int, default=10, help="samples of every point, one per round")
     parser.add_argument("--out", help="folder for the roofline and the assembled results (default: temporary)")
     args = parser.parse_args()
