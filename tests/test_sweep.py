@@ -273,6 +273,31 @@ def test_a_drafters_chain_is_timed_after_a_verify_of_the_target_and_kept_on_a_re
     assert draft_chain.missing(record, (1, 2), 4) == [(1, 4), (2, 4)]
 
 
+def test_a_chain_waits_for_no_draft_until_its_end_as_the_loops_draft(monkeypatch):
+    """Both loops queue each draft step as they build it and read none until the verify: the
+    chain point builds its gamma steps with no wait between them, and leaves the drafter's cache
+    at the prompt after each sample."""
+    from mac_moesd.measure.caches.rolled_cache import RolledBackCache
+    from mac_moesd.measure.clock import timing
+    from mac_moesd.measure.forward import draft_chain
+
+    target, draft = (models.build(models.resolve(name), seed=0) for name in ("tiny-moe", "tiny-draft"))
+    for built in (target, draft):
+        built.materialise()
+    vocab = target.config["vocab_size"]
+    target_cache, draft_cache = (RolledBackCache(b.model, 2, 16, vocab) for b in (target, draft))
+    point = draft_chain.chain_point(target.model, target_cache, draft.model, draft_cache, 2, 3, vocab)
+    point.before()
+    calls = []
+    monkeypatch.setattr(mx, "eval", lambda *a: calls.append("eval"))
+    monkeypatch.setattr(mx, "async_eval", lambda *a: calls.append("async_eval"))
+    drafts, _ = point.run()
+    monkeypatch.undo()
+    assert calls == ["async_eval"] * 3 and [d.shape for d in drafts] == [(2, 1)] * 3
+    assert timing.time_once(point) > 0
+    assert draft_cache.cache[0].offset == 16
+
+
 def test_chains_are_skipped_and_said_so_where_target_and_drafter_do_not_fit_together(tmp_path):
     from mac_moesd.measure.forward import draft_chain  # noqa: F401  (the module the sweep calls)
     from mac_moesd.progress import Progress

@@ -1,5 +1,8 @@
-"""The drafter's chain as an SD round runs it: gamma one-token steps, each next graph queued before
-waiting on the current one, evaluated once a round, right after the target's verify forward.
+"""The drafter's chain as an SD round runs it: gamma one-token steps, each queued as it is built
+and nothing waited for until the round's verify needs the drafts, right after the target's
+verify forward. (Until 2026-12-07 the chain waited on each step's token as a generation loop
+does; on tiny-moe's round at B=1, gamma 4 that chain cost 8.05 ms where the loop's drafting took
+7.29 ms, `benchmarks/round_phases.py`. The figures below are from those chains.)
 
 The drafter's grid points are timed back to back (``timing.measure`` takes several samples a
 visit), so each finds the machine as the drafter's own last forward left it. In a round the chain
@@ -22,13 +25,15 @@ a target reads far more bytes than any cache holds, as the whole target would.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from functools import partial
+
+import mlx.core as mx
 
 from mac_moesd.inputs import models
 from mac_moesd.measure.caches.rolled_cache import RolledBackCache, batch_caches
 from mac_moesd.measure.clock import timing
-from mac_moesd.measure.forward.points import forward_point, pipelined_point
+from mac_moesd.measure.decoding.sampling import random_ids
+from mac_moesd.measure.forward.points import forward_point
 from mac_moesd.progress import Progress
 from mac_moesd.results import point_key
 from mac_moesd.results.keys import chain_points
@@ -44,11 +49,25 @@ def chain_gammas(gamma: int) -> tuple[int, ...]:
 
 def chain_point(target, target_cache: RolledBackCache, draft, draft_cache: RolledBackCache, batch: int,
                 gamma: int, vocab: int) -> timing.Point:
-    """gamma drafter steps chained as the loops chain them (``pipelined_point``), evaluated once,
-    each sample preceded (untimed) by a target forward of gamma + 1 tokens, rolled back."""
+    """gamma drafter steps chained as both loops draft (the suite's ``Decoder.speculative``,
+    mlx-lm's ``_draft_generate``): each step's token queued with ``mx.async_eval`` and the next
+    step built on it at once, nothing waited for until the chain's end (unlike a generation
+    loop, which reads each token as it arrives: ``pipelined_point``); each sample preceded
+    (untimed) by a target forward of gamma + 1 tokens, rolled back, and the drafter's cache
+    taken back to the prompt after it."""
     verify = forward_point(target, target_cache, batch, gamma + 1, vocab)
-    chain = pipelined_point(draft, draft_cache, batch, 1, vocab, steps=gamma)
-    return replace(chain, before=partial(timing.run_untimed, verify))
+    first = mx.random.randint(0, vocab, (batch, 1))
+    mx.eval(first)
+
+    def run():
+        token, drafts = first, []
+        for _ in range(gamma):
+            token = random_ids(mx.argmax(draft(token, cache=draft_cache.cache)[:, -1:], axis=-1), vocab)
+            mx.async_eval(token)
+            drafts.append(token)
+        return drafts, draft_cache.state()
+
+    return timing.Point(run=run, reset=draft_cache.reset, before=partial(timing.run_untimed, verify))
 
 
 def chain_rows(record: dict) -> list[dict]:

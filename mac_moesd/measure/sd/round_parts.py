@@ -9,8 +9,8 @@ order, the forwards a round is made of:
   position's recurrent state where the rollback selects one: ``recurrent_states``);
 - ``target_step``: the target's one-token forward, synchronous (only to tell what pipelining
   hides from the verify: the plain decode beside it is the pipelined one-token step);
-- ``draft``: gamma drafter steps chained as the loops chain them (each next graph queued before
-  waiting on the current one), the whole draft phase of a round, after an untimed verify of the
+- ``draft``: gamma drafter steps chained as the loops draft (each queued as built, none waited
+  for until the chain's end), the whole draft phase of a round, after an untimed verify of the
   target as in a round (``draft_chain``: the target's forward leaves the drafter a slower start);
 - ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance);
 - ``rollback``: both models' caches taken back after a round that kept half its drafts
