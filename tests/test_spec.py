@@ -191,6 +191,37 @@ def test_the_drafters_catch_up_is_evaluated_inside_the_timed_run():
     assert mx.get_peak_memory() == 0
 
 
+def test_a_round_synchronised_after_each_phase_names_its_phases_and_decodes_the_same():
+    """``on_phase``: each round reports its phases in the loop's order, the catch-up step after a
+    round that accepted every draft only, and the decode is the one the loop makes without it."""
+    import numpy as np
+
+    from mac_moesd.inputs import models
+    from mac_moesd.measure.decoding.sd_loop import PHASES, Decoder
+
+    built = models.build(models.resolve("tiny-moe"), None, None, None, seed=0)
+    built.materialise()
+    vocab = built.config["vocab_size"]
+    prompt = mx.random.randint(0, vocab, (2, 9), key=mx.random.key(1))
+
+    def decode(on_phase=None):
+        mx.random.seed(3)
+        decoder = Decoder(built.model, built.model, prompt, random_tokens=vocab)
+        return decoder.speculative(12, 3, "emulated-acceptance", 0.7, rng=np.random.default_rng(0),
+                                   on_phase=on_phase)
+
+    names: list[str] = []
+    phased, plain = decode(names.append), decode()
+    assert phased.per_round == plain.per_round and np.array_equal(phased.outputs, plain.outputs)
+    rounds, full = [], list(PHASES[:-1])
+    while names:
+        rounds.append(names[: len(PHASES) if names[len(full):len(full) + 1] == ["catch_up"] else len(full)])
+        del names[: len(rounds[-1])]
+    assert len(rounds) == phased.verifies and all(r[: len(full)] == full for r in rounds)
+    caught_up = [len(r) == len(PHASES) for r in rounds]
+    assert caught_up == [min(phased.per_round[2 * i: 2 * i + 2]) == 3 for i in range(len(rounds))]
+
+
 def test_every_token_is_chosen_in_the_vocabulary_both_models_read():
     """A drafter padded four times wider than its target proposes ids the target has no
     embedding for; the loop (and mlx-lm's sampler, wrapped) chooses among the shared ids only."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -39,7 +40,11 @@ from mac_moesd.measure.decoding.sampling import random_ids, rejection_sample
 from mac_moesd.measure.caches.rolled_cache import RolledBackCache
 from mac_moesd.results import schema
 
-__all__ = ["Decoded", "Decoder", "accept", "advance", "common_prompt"]
+__all__ = ["Decoded", "Decoder", "PHASES", "accept", "advance", "common_prompt"]
+
+# A round's phases in the order the loop runs them (``Decoder.speculative``'s ``on_phase``); the
+# names of the round parts each stands beside (``round_parts``), and the drafter's catch-up step.
+PHASES = ("draft", "verify", "reject", "bookkeeping", "rollback", "catch_up")
 
 RuleProbs = dict[str, tuple[list[np.ndarray], list[np.ndarray]]]  # rule -> rows of (token, position) probs
 
@@ -140,12 +145,21 @@ class Decoder:
 
     def speculative(self, new_tokens: int, gamma: int, mode: str, alpha: float | None = None,
                     temperature: float = 0.0, rules: bool = False,
-                    rng: np.random.Generator | None = None) -> Decoded:
+                    rng: np.random.Generator | None = None,
+                    on_phase: Callable[[str], None] | None = None) -> Decoded:
         """Rounds until every sequence has ``new_tokens``. ``rules`` (temperature > 0, ``real``)
         also records each acceptance rule's probabilities; ``rng`` draws emulated acceptance.
-        With prompt lookup, ``lookup_rounds``."""
+        With prompt lookup, ``lookup_rounds``. ``on_phase`` (a diagnostic, never in a timed SD
+        run): the loop waits for each phase of a round (``PHASES``) and then calls it with the
+        phase's name, so that each can be timed on its own (``benchmarks/round_phases.py``)."""
         if self.lookup is not None:
             return self.lookup_rounds(new_tokens, gamma, temperature)
+
+        def phase(name: str, *arrays) -> None:
+            if on_phase is not None:
+                mx.eval(*arrays)
+                on_phase(name)
+
         produced = np.zeros(self.batch, dtype=int)
         per_round: list[int] = []
         emitted: list[mx.array] = []
@@ -162,9 +176,11 @@ class Decoder:
                 mx.async_eval(x)
                 drafts.append(x)
                 draft_logits.append(logits)
+            phase("draft", drafts, draft_logits)
             drafts_arr = mx.concatenate(drafts, axis=1)
             self.target_rollback.mark()
             verify = self.verifier(mx.concatenate([y, drafts_arr], axis=1), cache=self.target_cache)
+            phase("verify", verify)
             # The target's token at every position: its argmax, or (mlx-lm's rule) its own sample.
             chosen = self.emit(verify, temperature)  # (B, gamma+1)
             extra = []
@@ -173,6 +189,7 @@ class Decoder:
             elif probs is not None:
                 extra = _rule_probabilities(verify[:, :gamma], mx.concatenate(draft_logits, axis=1),
                                             drafts_arr, temperature)
+            phase("reject", extra)
             accepted = accept(chosen, drafts_arr, mode, alpha, rng, extra)
             if probs is not None:
                 for (token_list, position_list), token_p, position_p in zip(
@@ -180,10 +197,13 @@ class Decoder:
                     token_list.extend(np.array(token_p))
                     position_list.extend(np.array(position_p))
             shared, kept, next_y, pieces = advance(y, chosen, drafts_arr, accepted)
+            phase("bookkeeping", kept, next_y, *pieces)
             self.target_rollback.undo(gamma + 1, kept)
             draft_rollback.undo(gamma, kept[:, :gamma])  # all kept: nothing to undo
+            phase("rollback", [c.state for c in self.target_cache], [c.state for c in self.draft_cache])
             if shared == gamma:  # the drafter never saw its last token: feed it, as mlx-lm does
                 self.draft(drafts[-1], cache=self.draft_cache)
+                phase("catch_up", [c.state for c in self.draft_cache])
             if mode != "emulated-acceptance":
                 accepted = np.full(self.batch, shared)  # what each sequence emitted (module docstring)
             produced += accepted + 1
