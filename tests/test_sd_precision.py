@@ -134,6 +134,22 @@ def test_a_round_priced_from_its_timed_parts():
     assert round_prediction(parts, 0.1e-3, 0.8, 4)["hidden_s"] == pytest.approx(0.5e-3)
 
 
+def test_the_loops_drafting_is_priced_by_how_often_the_round_before_accepted_every_draft():
+    # alpha 0.8, gamma 4, B=1: a round rejects with P = 1 - 0.8^4 = 0.5904 and drafts as timed
+    # ("draft" 0.28 ms); after the other 0.4096 the loop first feeds the drafter its last draft
+    # ("draft_caught_up" 0.40 ms): 0.5904 * 0.28 + 0.4096 * 0.40 = 0.329152 ms. With the verify
+    # as above (1.1 ms after 0.1 ms hidden): round 1.429152 ms, S = 3.3616 * 0.9 / 1.429152.
+    parts = {"verify": 1.2e-3, "target_step": 1.0e-3, "draft": 0.28e-3, "draft_caught_up": 0.40e-3}
+    out = round_prediction(parts, 0.9e-3, 0.8, 4, catch_up=True)
+    assert out["draft_s"] == pytest.approx(0.329152e-3) and out["round_s"] == pytest.approx(1.429152e-3)
+    assert out["speedup"] == pytest.approx(3.3616 * 0.9 / 1.429152)
+    # mlx-lm's batch 1 feeds no catch-up step; parts timed before the caught-up chain price the
+    # step at the chain's mean step: 0.28 * (1 + 0.4096 / 4).
+    assert round_prediction(parts, 0.9e-3, 0.8, 4)["draft_s"] == pytest.approx(0.28e-3)
+    older = {k: v for k, v in parts.items() if k != "draft_caught_up"}
+    assert round_prediction(older, 0.9e-3, 0.8, 4, catch_up=True)["draft_s"] == pytest.approx(0.28e-3 * 1.1024)
+
+
 def test_a_rollback_is_priced_by_how_often_a_round_rejects():
     # A 0.5 ms rollback (a hybrid's restore and re-forward) is paid when some sequence rejects:
     # at alpha 0.8, gamma 4, batch 1 that is 1 - 0.8^4 = 0.5904 of rounds (0.2952 ms), at batch 2

@@ -296,6 +296,18 @@ def test_a_chain_waits_for_no_draft_until_its_end_as_the_loops_draft(monkeypatch
     assert calls == ["async_eval"] * 3 and [d.shape for d in drafts] == [(2, 1)] * 3
     assert timing.time_once(point) > 0
     assert draft_cache.cache[0].offset == 16
+    # After a round that accepted every draft: the catch-up forward first, unread, then the chain.
+    forwards = []
+    counted = lambda tokens, cache=None: forwards.append(tokens.shape) or draft.model(tokens, cache=cache)  # noqa: E731
+    caught_up = draft_chain.chain_point(target.model, target_cache, counted, draft_cache, 2, 3, vocab, catch_up=True)
+    calls.clear()
+    monkeypatch.setattr(mx, "eval", lambda *a: calls.append("eval"))
+    monkeypatch.setattr(mx, "async_eval", lambda *a: calls.append("async_eval"))
+    drafts, _ = caught_up.run()
+    monkeypatch.undo()
+    assert forwards == [(2, 1)] * 4 and calls == ["async_eval"] * 3 and len(drafts) == 3
+    draft_cache.reset()
+    assert draft_cache.cache[0].offset == 16
 
 
 def test_chains_are_skipped_and_said_so_where_target_and_drafter_do_not_fit_together(tmp_path):

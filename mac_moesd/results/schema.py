@@ -603,6 +603,7 @@ class RoundMedians(TypedDict, total=False):
     reject: float
     rollback: float  # one rejected round's rollback, both models
     bookkeeping: float  # the loop's empty round: token choice, synchronisation, acceptance decision
+    draft_caught_up: float  # the suite's loop: drafting after a round that accepted every draft
 
 
 class LookupRule(TypedDict, total=False):

@@ -48,19 +48,23 @@ def chain_gammas(gamma: int) -> tuple[int, ...]:
 
 
 def chain_point(target, target_cache: RolledBackCache, draft, draft_cache: RolledBackCache, batch: int,
-                gamma: int, vocab: int) -> timing.Point:
+                gamma: int, vocab: int, catch_up: bool = False) -> timing.Point:
     """gamma drafter steps chained as both loops draft (the suite's ``Decoder.speculative``,
     mlx-lm's ``_draft_generate``): each step's token queued with ``mx.async_eval`` and the next
     step built on it at once, nothing waited for until the chain's end (unlike a generation
     loop, which reads each token as it arrives: ``pipelined_point``); each sample preceded
     (untimed) by a target forward of gamma + 1 tokens, rolled back, and the drafter's cache
-    taken back to the prompt after it."""
+    taken back to the prompt after it. ``catch_up``: the drafting of a round after one that
+    accepted every draft, in the suite's loop: the drafter's forward of that round's last draft,
+    queued unread, then the chain (the catch-up, not the chain, then meets the drafter's start)."""
     verify = forward_point(target, target_cache, batch, gamma + 1, vocab)
     first = mx.random.randint(0, vocab, (batch, 1))
     mx.eval(first)
 
     def run():
         token, drafts = first, []
+        if catch_up:
+            draft(first, cache=draft_cache.cache)
         for _ in range(gamma):
             token = random_ids(mx.argmax(draft(token, cache=draft_cache.cache)[:, -1:], axis=-1), vocab)
             mx.async_eval(token)

@@ -12,6 +12,8 @@ order, the forwards a round is made of:
 - ``draft``: gamma drafter steps chained as the loops draft (each queued as built, none waited
   for until the chain's end), the whole draft phase of a round, after an untimed verify of the
   target as in a round (``draft_chain``: the target's forward leaves the drafter a slower start);
+- ``draft_caught_up`` (the suite's loop, ``CAUGHT_UP``): the same after a round that accepted
+  every draft, whose last draft the loop feeds the drafter first, queued before the chain;
 - ``reject``: rejection sampling at the batch, where the loop runs it (emulated acceptance);
 - ``rollback``: both models' caches taken back after a round that kept half its drafts
   (``rollback.Rollback``: a trim, a window cut, a recurrent state selected or replayed, or a
@@ -24,6 +26,7 @@ order, the forwards a round is made of:
 ``round_prediction`` turns their medians, the plain decode's own step and the acceptance the
 run realised into MoESD's S(B, gamma) (docs/design.md: the speedup formula):
   S = Omega * T_plain / (T_draft + T_verify,pipelined + T_rej + P_reject * T_rollback + T_book),
+  T_draft = P_reject * draft + (1 - P_reject) * draft_caught_up in the suite's loop,
   T_verify,pipelined = T_verify - min(T_step - T_plain, T_step / 2), at least 0 hidden,
   P_reject = 1 - alpha^(gamma B): the chance that some sequence of the batch rejects a draft.
 The forwards run at the prompt's context, the decode at a mean context new_tokens/2 longer; the
@@ -51,9 +54,10 @@ from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point, mlx_lm_boo
 from mac_moesd.measure.forward.draft_chain import chain_point
 from mac_moesd.measure.forward.points import forward_point, reject_point
 
-__all__ = ["RoundParts", "VERIFY_AT", "lookup_prediction", "round_prediction"]
+__all__ = ["CAUGHT_UP", "RoundParts", "VERIFY_AT", "lookup_prediction", "round_prediction"]
 
 VERIFY_AT = "verify_{}"  # the sample name of a verify of that many tokens (prompt lookup's widths)
+CAUGHT_UP = "draft_caught_up"  # the drafting of a round after one that accepted every draft
 
 
 @dataclass
@@ -86,6 +90,9 @@ class RoundParts:
         else:
             assert draft_cache is not None  # a drafter model has its caches
             points["draft"] = chain_point(target, target_cache, draft, draft_cache, self.batch, self.gamma, self.vocab)
+            if not self.mlx_lm:  # the suite's loop feeds the drafter its last draft (round_prediction)
+                points[CAUGHT_UP] = chain_point(target, target_cache, draft, draft_cache, self.batch, self.gamma,
+                                                self.vocab, catch_up=True)
         if self.with_reject:
             points["reject"] = reject_point(self.batch, self.gamma, self.vocab)
         if emit is not None:
@@ -194,14 +201,20 @@ def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, g
     (seconds per token per sequence batch, pipelined as generation runs it) and the acceptance
     the run realised; with the round's parts as priced. ``catch_up`` (the suite's loop): after a
     round that accepted every draft, the drafter is fed its last draft, one more drafter step
-    (``Decoder.speculative``), priced in the draft part by how often that happens; mlx-lm feeds
-    it with the next round's first step instead, at about the cost of that step. (The catch-up
-    step is priced at the chain's mean step, which carries a share of the chain's start after the
-    verify: at most alpha^(gamma B) of that share a round, under 1% of a round on the CPU box.)"""
+    queued before the next round's chain (``Decoder.speculative``), so that a share
+    alpha^(gamma B) of rounds drafts as ``CAUGHT_UP`` was timed, the rest as ``draft``; mlx-lm
+    feeds it with the next round's first step instead, at about the cost of that step. (Parts
+    timed without ``CAUGHT_UP``, before 2026-12-07: the catch-up step at the chain's mean step,
+    which carries a share of the drafter's start after the verify, all of it at gamma 1: on the
+    hybrid twin at B=1, gamma 1, 1.1 ms over the loop's own drafting, 11% of its round,
+    ``benchmarks/round_phases.py``.)"""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
     rejects = float(theory.rollback_probability(alpha, gamma, batch))
     rollback = parts.get("rollback", 0.0) * rejects
-    draft = parts["draft"] * (1 + (1 - rejects) / gamma if catch_up else 1)
+    if catch_up and CAUGHT_UP in parts:
+        draft = rejects * parts["draft"] + (1 - rejects) * parts[CAUGHT_UP]
+    else:
+        draft = parts["draft"] * (1 + (1 - rejects) / gamma if catch_up else 1)
     return _account(plain_step, float(theory.expected_tokens_per_round(alpha, gamma)),
                     max(parts["verify"] - hidden, 0.0), hidden, draft=draft,
                     reject=parts.get("reject", 0.0), rollback=rollback, bookkeeping=parts.get("bookkeeping", 0.0))
