@@ -312,11 +312,12 @@ def paired(plain, speculative, prepare, precision: Precision,
             ready(i)
             between(i)
         i += 1
-    for _ in range(i, precision.parts_samples if between is not None else 0):
-        if time.perf_counter() - started >= precision.budget_s:
-            break
+    samples = i
+    while (between is not None and samples < precision.parts_samples
+           and time.perf_counter() - started < precision.budget_s):
         ready(i - 1)
         between(i - 1)
+        samples += 1
     prepare(None)
     return plain_times, spec_times, plain_out, spec_out
 
