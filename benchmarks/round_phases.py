@@ -86,7 +86,7 @@ def measure(decoders, vocab: int, batch: int, gamma: int, runs: int, tokens: int
                               catch_up=True)
     return {"loop_s": statistics.median(loop_rounds),
             "phased": {name: statistics.median(p[name] for p in phased) for name in PHASES},
-            "parts": parts.medians(), "priced": priced}
+            "priced": priced}
 
 
 def main() -> int:

@@ -203,18 +203,14 @@ def round_prediction(parts: dict[str, float], plain_step: float, alpha: float, g
     round that accepted every draft, the drafter is fed its last draft, one more drafter step
     queued before the next round's chain (``Decoder.speculative``), so that a share
     alpha^(gamma B) of rounds drafts as ``CAUGHT_UP`` was timed, the rest as ``draft``; mlx-lm
-    feeds it with the next round's first step instead, at about the cost of that step. (Parts
-    timed without ``CAUGHT_UP``, before 2026-12-07: the catch-up step at the chain's mean step,
-    which carries a share of the drafter's start after the verify, all of it at gamma 1: on the
-    hybrid twin at B=1, gamma 1, 1.1 ms over the loop's own drafting, 11% of its round,
-    ``benchmarks/round_phases.py``.)"""
+    feeds it with the next round's first step instead, at about the cost of that step. (Priced
+    at the chain's mean step instead, as before 2026-12-07, the step carried a share of the
+    drafter's start after the verify, all of it at gamma 1: on the hybrid twin at B=1, gamma 1,
+    1.1 ms over the loop's own drafting, 11% of its round, ``benchmarks/round_phases.py``.)"""
     hidden = min(max(parts["target_step"] - plain_step, 0.0), parts["target_step"] / 2)
     rejects = float(theory.rollback_probability(alpha, gamma, batch))
     rollback = parts.get("rollback", 0.0) * rejects
-    if catch_up and CAUGHT_UP in parts:
-        draft = rejects * parts["draft"] + (1 - rejects) * parts[CAUGHT_UP]
-    else:
-        draft = parts["draft"] * (1 + (1 - rejects) / gamma if catch_up else 1)
+    draft = rejects * parts["draft"] + (1 - rejects) * parts[CAUGHT_UP] if catch_up else parts["draft"]
     return _account(plain_step, float(theory.expected_tokens_per_round(alpha, gamma)),
                     max(parts["verify"] - hidden, 0.0), hidden, draft=draft,
                     reject=parts.get("reject", 0.0), rollback=rollback, bookkeeping=parts.get("bookkeeping", 0.0))
