@@ -46,6 +46,7 @@ def test_bad_files_are_reported_and_left_untouched(tmp_path, content, fragment):
 
 @pytest.mark.parametrize("change", [{"chip_slug": "apple-m1-8c"}, {"backend": "cpu"},
                                     {"versions": {"mlx": "0.1"}}, {"blas": {"name": "openblas"}},
+                                    {"blas": {"name": "n/a", "threads": 1}},
                                     {"cluster": {"ranks": 2, "backend": "ring", "parallel": "tensor"}}])
 def test_results_from_another_machine_refuse_to_merge(tmp_path, change):
     path = tmp_path / "results.json"

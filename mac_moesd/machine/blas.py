@@ -9,6 +9,12 @@ Where from, in order: the system's OpenBLAS (``OPENBLAS_CANDIDATES``), then the 
 the package depends on on Linux (scipy-openblas32). The wheel's symbols carry a ``scipy_``
 prefix, so the package's small C library ``_cblas_forward`` (built at install) is loaded after
 it, globally too, to give MLX the unprefixed names.
+
+How many threads: one core fewer than the process may run on, unless the environment says
+(``THREAD_ENVS``). MLX's CPU backend computes a graph on its stream's thread while Python builds
+the next one; OpenBLAS's workers on every core took turns with that Python on a 2-core box: the
+SD loop ran slower than the same loop waiting after each phase, and plain runs timed against
+themselves varied twice as much (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import os
 import platform
 import sys
 
-__all__ = ["OPT_OUT_ENV", "OPENBLAS_CANDIDATES", "describe", "preload", "preloaded_libraries"]
+__all__ = ["OPT_OUT_ENV", "OPENBLAS_CANDIDATES", "THREAD_ENVS", "describe", "preload", "preloaded_libraries"]
 
 OPT_OUT_ENV = "MAC_MOESD_NO_OPENBLAS"
+# What OpenBLAS reads its thread count from at load, first found first; the first is what we set.
+THREAD_ENVS: tuple[str, ...] = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 
 # Debian/Ubuntu's libopenblas0-pthread, then the other common layouts.
 OPENBLAS_CANDIDATES: tuple[str, ...] = (
@@ -39,7 +47,7 @@ FORWARD_MODULE = "mac_moesd.machine._cblas_forward"
 
 # What ``preload`` did: the libraries it loaded, in order (the OpenBLAS first), where they came
 # from, or why it loaded none.
-_state: dict = {"libraries": [], "source": None, "skipped": None}
+_state: dict = {"libraries": [], "source": None, "skipped": None, "threads_from": None}
 
 
 def _preloaded() -> str | None:
@@ -76,6 +84,21 @@ def _load_wheel() -> bool:
     return True
 
 
+def _choose_threads() -> None:
+    """Leave one core to Python's graph building, unless the environment already sets a count.
+
+    Set in the environment before the library loads (OpenBLAS reads it then), so a server the suite
+    launches with the same library preloaded runs with the same count.
+    """
+    named = next((name for name in THREAD_ENVS if os.environ.get(name)), None)
+    if named is not None:
+        _state["threads_from"] = f"{named} from the environment"
+        return
+    cores = len(os.sched_getaffinity(0))
+    os.environ[THREAD_ENVS[0]] = str(max(1, cores - 1))
+    _state["threads_from"] = f"one fewer than the {cores} cores, leaving one to Python"
+
+
 def preload() -> str | None:
     """Load OpenBLAS globally if on Linux, installed, not opted out and MLX not yet imported.
 
@@ -90,6 +113,7 @@ def preload() -> str | None:
     elif "mlx.core" in sys.modules:
         _state["skipped"] = "mlx was imported before mac_moesd"
     else:
+        _choose_threads()
         for path in OPENBLAS_CANDIDATES:
             if os.path.exists(path):
                 try:
@@ -138,19 +162,33 @@ def _global_sgemm_library() -> str | None:
     return info.dli_fname.decode(errors="replace")
 
 
+def _openblas_threads(path: str) -> int | None:
+    """The threads the OpenBLAS at ``path`` (already loaded) runs with, or None where it does not say."""
+    try:
+        library = ctypes.CDLL(path)
+    except OSError:
+        return None
+    for name in ("openblas_get_num_threads", "scipy_openblas_get_num_threads"):
+        getter = getattr(library, name, None)
+        if getter is not None:
+            return int(getter())
+    return None
+
+
 def describe(backend: str) -> dict:
-    """What BLAS the MLX CPU backend uses here: ``{"name", "path", "note", "warning"}``.
+    """What BLAS the MLX CPU backend uses here: ``{"name", "path", "note", "warning", "threads"}``.
 
     On Linux MLX's bundled BLAS is local to libmlx, so a global ``cblas_sgemm`` exists only if
     another BLAS was loaded globally, and then it is the one MLX binds to (when that is the
-    forwarding library, ``path`` is the OpenBLAS it forwards to and ``note`` says so).
+    forwarding library, ``path`` is the OpenBLAS it forwards to and ``note`` says so). ``threads``
+    is OpenBLAS's own count, None for any other BLAS.
     """
     system = platform.system()
     if system == "Darwin":
         name = "accelerate" if backend == "cpu" else "n/a (GPU backend)"
-        return {"name": name, "path": None, "note": "", "warning": None}
+        return {"name": name, "path": None, "note": "", "warning": None, "threads": None}
     if system != "Linux":
-        return {"name": "unknown", "path": None, "note": "", "warning": None}
+        return {"name": "unknown", "path": None, "note": "", "warning": None, "threads": None}
     path = _global_sgemm_library()
     note = _state["skipped"] or ""
     if path is None:
@@ -160,10 +198,11 @@ def describe(backend: str) -> dict:
                 "MLX is using its bundled reference BLAS: every forward is compute-bound and "
                 f"memory-bound effects are invisible ({note or 'OpenBLAS was not loaded'}); rerun after."
             )
-        return {"name": "reference", "path": None, "note": note, "warning": warning}
+        return {"name": "reference", "path": None, "note": note, "warning": warning, "threads": None}
     if path in _state["libraries"]:  # ours: the OpenBLAS, or the library forwarding to it
         preloaded = _preloaded()
         assert preloaded is not None  # path is one of the libraries it loaded
-        path, note = preloaded, f"loaded from {_state['source']}"
+        path, note = preloaded, f"loaded from {_state['source']}; threads: {_state['threads_from']}"
     name = "openblas" if "openblas" in path.lower() else os.path.basename(path)
-    return {"name": name, "path": path, "note": note, "warning": None}
+    threads = _openblas_threads(path) if name == "openblas" else None
+    return {"name": name, "path": path, "note": note, "warning": None, "threads": threads}

@@ -55,6 +55,7 @@ def render_info(doc: dict) -> str:
         f"os:          {doc['os']}",
         f"backend:     {doc['backend']}",
         f"blas:        {blas['name']}" + (f" ({blas['path']})" if blas["path"] else "")
+        + (f", threads {blas['threads']}" if blas.get("threads") else "")
         + (f" [{blas['note']}]" if blas["note"] else ""),
         f"memory:      {gib(doc['memory_bytes'])}, usable for a measurement {gib(doc['available_bytes'])}",
     ]

@@ -40,6 +40,9 @@ def _title(d: Digest) -> list[Block]:
     blocks: list[Block]
     blocks = [("h1", f"mac-moesd report: {m.get('chip', 'unknown machine')}"), *pair_sections.first_lines(d)]
     blas = m.get("blas", {}).get("name", "?")
+    if m.get("blas", {}).get("threads"):
+        threads = m["blas"]["threads"]
+        blas += f" ({threads} thread{'s' if threads > 1 else ''})"
     versions = m.get("versions", {})
     line = (f"Backend **{backend}**, BLAS {blas}, {m.get('os', '')}; measured {m.get('time', '?')} "
             f"with mac-moesd {versions.get('mac_moesd')}, MLX {versions.get('mlx')}, "

@@ -73,6 +73,7 @@ class Blas(TypedDict, total=False):
     path: str | None
     note: str
     warning: str | None
+    threads: int | None  # OpenBLAS's thread count; None for any other BLAS
 
 
 class Versions(TypedDict, total=False):

@@ -180,8 +180,11 @@ def incompatibility(old: dict, new: dict) -> str | None:
             return f"{key} {a} there, {b} here"
     if cluster_shape(old) != cluster_shape(new):
         return f"{_say(old)} there, {_say(new)} here"
-    if old.get("blas", {}).get("name") != new.get("blas", {}).get("name"):
-        return f"BLAS {old.get('blas', {}).get('name')} there, {new.get('blas', {}).get('name')} here"
+    old_blas, new_blas = old.get("blas", {}), new.get("blas", {})
+    if old_blas.get("name") != new_blas.get("name"):
+        return f"BLAS {old_blas.get('name')} there, {new_blas.get('name')} here"
+    if old_blas.get("threads") != new_blas.get("threads"):
+        return f"BLAS threads {old_blas.get('threads', 'unrecorded')} there, {new_blas.get('threads')} here"
     return None
 
 
