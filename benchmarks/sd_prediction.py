@@ -30,7 +30,8 @@ GOAL_CI, GOAL_MEASURED, GOAL_MEDIAN, GOAL_WORST = 0.03, 0.03, 0.05, 0.10
 def mac_moesd(*args: str) -> dict | None:
     cmd = [sys.executable, "-m", "mac_moesd", *args]
     print("$ mac-moesd " + " ".join(args), file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    # Its stderr passes through: a failing stage's reason then reaches the log.
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
     return json.loads(out) if "--json" in args else None
 
 
