@@ -44,6 +44,11 @@ def test_opting_out_leaves_the_reference_blas_and_says_so():
 NO_THREAD_ENV = {name: "" for name in blas.THREAD_ENVS}
 
 
+def fresh_state() -> dict:
+    """``blas._state`` as before ``preload`` ran."""
+    return {"libraries": [], "source": None, "skipped": None, "threads_from": None}
+
+
 def test_openblas_leaves_one_core_to_python_building_the_next_graph():
     doc = described(MAC_MOESD_NO_OPENBLAS="", **NO_THREAD_ENV)
     assert doc["threads"] == max(1, len(os.sched_getaffinity(0)) - 1), doc
@@ -59,8 +64,8 @@ def test_a_thread_count_the_environment_sets_is_kept(variable):
 @pytest.mark.parametrize("cores, threads", [(1, "1"), (2, "1"), (8, "7")])
 def test_the_thread_count_is_one_fewer_than_the_cores(monkeypatch, cores, threads):
     for name in blas.THREAD_ENVS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(blas, "_state", {"libraries": [], "source": None, "skipped": None, "threads_from": None})
+        monkeypatch.setenv(name, "")  # unset as far as OpenBLAS goes, and restored after the test
+    monkeypatch.setattr(blas, "_state", fresh_state())
     monkeypatch.setattr(blas.os, "sched_getaffinity", lambda pid: set(range(cores)))
     blas._choose_threads()
     assert os.environ["OPENBLAS_NUM_THREADS"] == threads and f"the {cores} cores" in blas._state["threads_from"]
@@ -70,7 +75,7 @@ def test_the_thread_count_is_one_fewer_than_the_cores(monkeypatch, cores, thread
 def fresh_preload(monkeypatch):
     """``preload`` as on a fresh import: nothing loaded yet, MLX not imported, loads recorded."""
     loads = []
-    monkeypatch.setattr(blas, "_state", {"libraries": [], "source": None, "skipped": None, "threads_from": None})
+    monkeypatch.setattr(blas, "_state", fresh_state())
     for name in blas.THREAD_ENVS:
         monkeypatch.setenv(name, "1")  # the count is not what these tests are about
     monkeypatch.delitem(sys.modules, "mlx.core")

@@ -39,9 +39,8 @@ def _title(d: Digest) -> list[Block]:
     backend = m.get("backend", "?")
     blocks: list[Block]
     blocks = [("h1", f"mac-moesd report: {m.get('chip', 'unknown machine')}"), *pair_sections.first_lines(d)]
-    blas = m.get("blas", {}).get("name", "?")
-    if m.get("blas", {}).get("threads"):
-        threads = m["blas"]["threads"]
+    blas, threads = m.get("blas", {}).get("name", "?"), m.get("blas", {}).get("threads")
+    if threads:
         blas += f" ({threads} thread{'s' if threads > 1 else ''})"
     versions = m.get("versions", {})
     line = (f"Backend **{backend}**, BLAS {blas}, {m.get('os', '')}; measured {m.get('time', '?')} "
