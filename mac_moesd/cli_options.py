@@ -57,7 +57,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 budget_options = [
     click.option("--quick", is_flag=True, help="Small time budget per point (for a first look)."),
     click.option("--seconds-per-point", type=click.FloatRange(0, min_open=True), default=None,
-                 help="Time budget per grid point [default: 2, or 0.5 with --quick]."),
+                 help="Time budget per grid point; the pipelined one-token points (the decode "
+                      "step) get four times it, but not with --quick [default: 2, or 0.5 with --quick]."),
     click.option("--decode-chain", type=click.IntRange(min=2), default=None, metavar="N",
                  help="Forwards per pipelined sample of the one-token points, as a decode loop "
                       "chains them; longer chains spread the chain's fixed cost as a long "

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from mac_moesd.machine import hardware, memory
 from mac_moesd.inputs import models
+from mac_moesd.measure.clock import timing
 from mac_moesd.measure.forward import sweep
 from mac_moesd.measure.sd import speedup
 from mac_moesd.cli import cli
@@ -270,3 +271,15 @@ def test_an_sd_configurations_eta_counts_its_pairs_and_the_parts_after_them():
     quick = replace(full, stop_when_decided=True)
     assert estimate._configuration_seconds(quick, 1.0, 0.5) == pytest.approx(1.5 + 16.0)
     assert estimate._configuration_seconds(replace(full, budget_s=30.0), 1.0, 0.5) == pytest.approx(31.5)
+
+
+def test_a_grid_points_eta_counts_the_decode_steps_longer_budget():
+    # One forward of 10 ms, the default budget (2 s a point, 5-200 samples, 3 a visit, 2 warm-ups):
+    # synchronous, 201 samples (the first visit past 2 s) and 2 warm-ups of 10 ms = 2.03 s.
+    # Pipelined one-token chains of 32 (0.32 s a sample) for 4 x 2 s: 27 samples + 2 = 9.28 s;
+    # a two-token point's chains of 8 (0.08 s) for 2 s: 27 + 2 = 2.32 s.
+    budget = timing.Budget()
+    assert estimate.grid_point_seconds(0.01, budget, 1) == pytest.approx(2.03 + 9.28)
+    assert estimate.grid_point_seconds(0.01, budget, 2) == pytest.approx(2.03 + 2.32)
+    # Without the longer budget, the chains stop at 9 samples: (9 + 2) x 0.32 = 3.52 s.
+    assert estimate.grid_point_seconds(0.01, replace(budget, decode_seconds_factor=1.0), 1) == pytest.approx(2.03 + 3.52)

@@ -212,6 +212,29 @@ def test_a_forward_built_after_a_rollback_sees_only_the_prefix(config_dir):
     assert mx.allclose(lazy, built.model(second, cache=fresh.cache), atol=1e-5).item()
 
 
+def test_a_decode_steps_chains_get_a_larger_time_budget(config_dir, tmp_path, monkeypatch):
+    """The pipelined one-token points (the plain decode step) are timed for
+    ``decode_seconds_factor`` times a point's seconds; every other point for its seconds."""
+    seen = {}
+    measure = sweep.timing.measure
+
+    def recording(points, budget, *args, **kw):
+        seen.update({key: point.seconds for key, point in points.items()})
+        return measure(points, budget, *args, **kw)
+
+    monkeypatch.setattr(sweep.timing, "measure", recording)
+    folder = config_dir(zoo.miniature(zoo.by_name("tiny-moe").config))
+    budget = sweep.timing.Budget(warmup=0, min_repeats=3, max_repeats=3, seconds_per_point=0.25, per_visit=1,
+                                 decode_seconds_factor=3.0)
+    sweep.run_sweep(small_sweep(folder, batches=(1,), budget=budget, kv_context=0),
+                    ResultsStore(tmp_path / "r.json", META), None)
+    grid = {key: seen.pop(key) for key in list(seen) if isinstance(key, tuple) and "points" in key[0]}
+    assert grid == {("points", 1, 1): None, ("points", 1, 3): None,
+                    ("pipelined_points", 1, 1): 0.75, ("pipelined_points", 1, 3): 0.25}
+    assert seen and set(seen.values()) == {None}  # the drift check, rejection sampling, the bookkeeping
+    assert sweep.pipelined_seconds(1, sweep.timing.QUICK) == sweep.timing.QUICK.seconds_per_point
+
+
 @pytest.mark.slow  # loads and times models end to end
 def test_sweep_records_both_timings_at_every_point(tmp_path):
     cfg = sweep.SweepConfig(model="tiny-moe", batches=(2, 1), tokens=(1, 2), context=8, budget=TINY_BUDGET,

@@ -94,6 +94,26 @@ def test_what_runs_before_a_sample_counts_in_the_points_budget(monkeypatch):
     assert timing.measure({"a": timing.Point(run)}, budget, random.Random(0))["a"]["repeats"] == 10
 
 
+def test_a_point_with_its_own_seconds_runs_to_them(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def point(**kw):
+        durations = itertools.cycle([0.1, 0.15, 0.05])  # no CI stops them early
+
+        def run():
+            now[0] += next(durations)
+            return mx.ones((1,))
+
+        return timing.Point(run, **kw)
+
+    budget = timing.Budget(warmup=0, min_repeats=3, max_repeats=50, seconds_per_point=0.95, per_visit=1, target_ci=0.0)
+    m = timing.measure({"a": point(), "b": point(seconds=1.95)}, budget, random.Random(0))
+    # 0.1 s a sample on average: 10 fill the budget's 0.95 s, 20 the point's own 1.95 s.
+    assert sum(m["a"]["samples_s"]) >= 0.95 and m["a"]["repeats"] == 10
+    assert sum(m["b"]["samples_s"]) >= 1.95 and m["b"]["repeats"] == 20
+
+
 def test_grouped_points_are_visited_back_to_back_every_round():
     visits = []
 
@@ -138,7 +158,8 @@ def test_grid_warnings():
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_repeats=2), dict(max_repeats=3, min_repeats=5),
-                                    dict(seconds_per_point=0), dict(per_visit=0)])
+                                    dict(seconds_per_point=0), dict(per_visit=0),
+                                    dict(decode_seconds_factor=0.5)])
 def test_budget_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):
         timing.Budget(**kwargs)

@@ -124,21 +124,24 @@ def forward_seconds(built, rates: Rates, batch: int, tokens: int, context: int) 
     return max(moved / rates.bandwidth_bytes_s, flop / rates.flops)
 
 
-def point_seconds(t: float, budget: timing.Budget, untimed: float = 0.0) -> float:
+def point_seconds(t: float, budget: timing.Budget, untimed: float = 0.0, seconds: float | None = None) -> float:
     """What timing.measure spends on a point whose call takes ``t``: warm-ups, then visits of
     ``per_visit`` samples until min_repeats and the time budget (or max_repeats) are reached;
     ``untimed``: what each call runs before its clock starts (``timing.Point.before``), which
-    counts in the budget."""
+    counts in the budget; ``seconds``: the point's own budget (``timing.Point.seconds``)."""
     n = 0
-    while n < budget.min_repeats or (n < budget.max_repeats and n * (t + untimed) < budget.seconds_per_point):
+    limit = seconds or budget.seconds_per_point
+    while n < budget.min_repeats or (n < budget.max_repeats and n * (t + untimed) < limit):
         n += budget.per_visit
     return (budget.warmup + n) * (t + untimed)
 
 
 def grid_point_seconds(t: float, budget: timing.Budget, tokens: int) -> float:
     """A sweep point of ``tokens`` new tokens is timed twice: one synchronous forward per sample,
-    and a pipelined chain of ``sweep.pipelined_steps(tokens, budget)`` forwards per sample."""
-    return point_seconds(t, budget) + point_seconds(sweep.pipelined_steps(tokens, budget) * t, budget)
+    and a pipelined chain of ``sweep.pipelined_steps(tokens, budget)`` forwards per sample, for
+    ``sweep.pipelined_seconds``."""
+    return point_seconds(t, budget) + point_seconds(sweep.pipelined_steps(tokens, budget) * t, budget,
+                                                    seconds=sweep.pipelined_seconds(tokens, budget))
 
 
 def prefill_seconds(built, rates: Rates, batch: int, context: int) -> float:

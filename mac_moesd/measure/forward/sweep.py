@@ -61,6 +61,12 @@ def pipelined_steps(tokens: int, budget: timing.Budget) -> int:
     return budget.decode_chain if tokens == 1 else PIPELINED_STEPS
 
 
+def pipelined_seconds(tokens: int, budget: timing.Budget) -> float:
+    """The time budget of a pipelined point of ``tokens`` new tokens per sequence: a decode step's
+    chains get ``budget.decode_seconds_factor`` times a point's seconds (``timing.Budget``)."""
+    return budget.seconds_per_point * (budget.decode_seconds_factor if tokens == 1 else 1.0)
+
+
 # How a target model is built: models.build, or a sharded build (measure.cluster.distributed).
 Builder = Callable[..., models.Built]
 
@@ -251,7 +257,8 @@ def _measure_grid(built, cfg, tokens, entry, save, progress, rng, check_drift, c
             cache = shorts[b] if kind == "kv_points" else caches[b]
             assert cache is not None  # shorts holds no None past the check above
             return forward_point(built.model, cache, b, t, vocab, control, twin_ids[b])
-        return pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
+        chain = pipelined_point(built.model, caches[b], b, t, vocab, control, pipelined_steps(t, cfg.budget))
+        return replace(chain, seconds=pipelined_seconds(t, cfg.budget))
 
     points = {key: point(*key) for key in todo}
 
