@@ -1,6 +1,7 @@
 import pytest
 
 from mac_moesd.analysis import fit, pipelining
+from mac_moesd.reporting import formatting
 from test_fit import L, hand_fit_doc, synthetic_results
 
 HIDDEN_T, HIDDEN_D = 0.0015, 0.0004
@@ -15,14 +16,21 @@ def with_pipelined(data: dict, hidden_t=HIDDEN_T, hidden_d=HIDDEN_D) -> dict:
     return data
 
 
-def test_hidden_seconds_is_the_median_difference_clipped_to_half_a_forward():
+def test_hidden_seconds_weighs_each_difference_by_its_forwards_inverse_square():
     sync = {"a": 0.010, "b": 0.020, "c": 0.004, "d": 0.010}
     pipe = {"a": 0.008, "b": 0.018, "c": 0.0005, "d": 0.0105}  # c: noise beyond half; d: slower
     hidden, n = pipelining.hidden_seconds(sync, pipe)
     assert n == 4
-    # differences 0.002, 0.002, 0.0035 clipped to half of 0.004 = 0.002, -0.0005 clipped to 0: median 0.002
-    assert hidden == pytest.approx(0.002)
+    # differences 0.002, 0.002, 0.0035 clipped to half of 0.004 = 0.002, and -0.0005; weights
+    # 1/T^2 = 10^4, 2500, 62500, 10^4: (20 + 5 + 125 - 5) / 85000
+    assert hidden == pytest.approx(145 / 85000)
     assert pipelining.hidden_seconds(sync, {}) == (0.0, 0)
+    # A batch-8 forward's noise weighs a sixty-fourth of a batch-1's: 1.3 ms at 7.7 ms and -1.3 ms
+    # at 31 ms (one sweep on a 2-core box) give 1.1 ms, where the median of the two clipped gave 0.65.
+    assert pipelining.hidden_seconds({1: 0.0077, 8: 0.031}, {1: 0.0064, 8: 0.0323})[0] == pytest.approx(
+        (0.0013 / 0.0077**2 - 0.0013 / 0.031**2) / (1 / 0.0077**2 + 1 / 0.031**2))
+    # Never below 0: a pipelined loop is never slower than a synchronous one.
+    assert pipelining.hidden_seconds({1: 0.010}, {1: 0.011}) == (0.0, 1)
     # Never more than half a forward, wherever it is applied.
     assert pipelining.pipelined([0.010, 0.002], 0.002).tolist() == pytest.approx([0.008, 0.001])
 
@@ -85,3 +93,10 @@ def test_results_without_pipelined_points_say_so_and_predict_synchronously():
     assert not pipelining.measured(result.pipelining)
     m = result.model()
     assert float(m.target(2, 1, L, pipelined=True)) == float(m.target(2, 1, L))
+
+
+def test_the_report_says_how_the_hidden_figure_was_taken():
+    record = {"target_s": 0.001, "draft_s": 0.0004, "target_points": 4, "draft_points": 4, "target_mape": None}
+    assert "(mean, weighted 1/T^2, of synchronous - pipelined over 4 points)" in formatting.pipelining_lines(
+        {**record, "weighted": True})[0]
+    assert "(median of synchronous - pipelined" in formatting.pipelining_lines(record)[0]  # a fit made before

@@ -304,7 +304,8 @@ def pipelining_lines(pipe: dict | None) -> list[str]:
         return []
     fit = "" if pipe.get("target_mape") is None else f"; fitted T_T less it: MAPE {pipe['target_mape']:.1%} on the pipelined points"
     draft = f", drafter {seconds(pipe['draft_s'])}" if pipe.get("draft_points") else ""
-    return [f"pipelining hides per forward (median of synchronous - pipelined over {pipe['target_points']} points): "
+    how = "mean, weighted 1/T^2," if pipe.get("weighted") else "median"
+    return [f"pipelining hides per forward ({how} of synchronous - pipelined over {pipe['target_points']} points): "
             f"target {seconds(pipe['target_s'])}{draft}{fit}; speedups use pipelined plain and draft steps"]
 
 

@@ -427,6 +427,7 @@ class Pipelining(TypedDict, total=False):
     target_points: int  # points timed both ways that the figure comes from
     draft_points: int
     target_mape: float | None  # the fitted T_T minus target_s against the pipelined points
+    weighted: bool  # the figures 1/T_sync^2-weighted means of the differences (absent: medians, older fits)
 
 
 class FitRouting(TypedDict, total=False):

@@ -88,7 +88,7 @@ def measure_pipelining(result: FitResult) -> schema.Pipelining:
     target_s, target_n = pipelining.hidden_seconds({(b, t): s for b, t, s in i.target}, decode or pipelined)
     draft_s, draft_n = pipelining.hidden_seconds(dict(i.draft), dict(i.draft_pipelined))
     found: schema.Pipelining = {"target_s": target_s, "draft_s": draft_s, "target_points": target_n,
-                                "draft_points": draft_n, "target_mape": None}
+                                "draft_points": draft_n, "target_mape": None, "weighted": True}
     if not target_n:
         return found
     model = replace(result.model(timed_one_row=False), pipelining=found)
