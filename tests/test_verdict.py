@@ -218,3 +218,20 @@ def test_a_verdict_row_carries_the_break_even_values_and_its_measurement():
     (row,) = verdict.verdict_rows(doc, [{"prompts": "code", "temperature": 0.0, "rule": "greedy", "alpha": 0.8}],
                                   64, runs=[run])
     assert row["agrees"] is False  # 2.108 > 1.6 * 1.04
+
+
+def test_the_differing_term_is_the_one_that_moves_the_speedup_most():
+    # HAND prices at B=1, gamma 5: plain 1.0 ms, verify 1.25 ms, drafter 0.5 ms. The run timed
+    # plain 0.8 ms (ratio 1.25: the speedup 25% high) and the drafter 1.0 ms (ratio 0.5, but half
+    # of 1.0 ms in a 2.25 ms round: the round 22.2% short, the speedup about that much high).
+    model = FittedModel.from_document({**_fit(**HAND), "heldout_mape": 0.04})
+    run = {"batch": 1, "gamma": 5, "measured_alpha": 0.8,
+           "round": {"plain_s": 0.8e-3, "verify_s": 1.25e-3, "draft_s": 1.0e-3}}
+    term = verdict.differing_term(model, run, 64, 0.8)
+    assert term["term"] == "plain step" and term["model_over_measured"] == pytest.approx(1.25)
+    assert term["ratios"]["drafter steps"] == pytest.approx(0.5)
+    assert term["effects"] == pytest.approx({"plain step": 0.25, "verify": 0.0, "drafter steps": 0.5 / 2.25,
+                                             "acceptance": 0.0})
+    # The drafter timed at 2.0 ms (ratio 0.25, 2.0 of a 3.25 ms round: 0.75 x 2.0 / 3.25 = 0.46): it leads.
+    run["round"]["draft_s"] = 2.0e-3
+    assert verdict.differing_term(model, run, 64, 0.8)["term"] == "drafter steps"

@@ -144,11 +144,15 @@ def agreement(run: dict, predicted: float, heldout_mape: float | None) -> dict:
 
 
 def differing_term(model: FittedModel, run: dict, context: float, alpha: float | None) -> dict | None:
-    """Which part of the round differs most between the model's account and the timed run's own
-    (``round``, timed in the SD stage): the plain step, the verify forward, the drafter's steps,
-    the rollback (where the run timed one that costs something), the loop's bookkeeping (where
-    both the sweep and the run timed it), or acceptance (the verdict's alpha against the one the
-    run realised); None for runs made before their rounds were timed."""
+    """Which part of the round the model's account moves the predicted speedup furthest by,
+    against the timed run's own (``round``, timed in the SD stage): the plain step, the verify
+    forward, the drafter's steps, the rollback (where the run timed one that costs something),
+    the loop's bookkeeping (where both the sweep and the run timed it), or acceptance (the
+    verdict's alpha against the one the run realised); None for runs made before their rounds
+    were timed. Each part's ``ratios`` (model over measured) weighs by its share: the plain step
+    and acceptance scale the speedup whole, a round's part by its share of the timed round
+    (``effects``: the fraction each moves the speedup), so a small part priced at half its
+    time does not outrank a large one priced 10% off."""
     measured = run.get("round")
     if not measured:
         return None
@@ -171,8 +175,12 @@ def differing_term(model: FittedModel, run: dict, context: float, alpha: float |
     if model.bookkeeping["points"] and measured.get("bookkeeping_s"):
         ratios["bookkeeping"] = cost.bookkeeping / measured["bookkeeping_s"]
     ratios = {k: v for k, v in ratios.items() if v is not None}
-    term = max(ratios, key=lambda k: abs(ratios[k] - 1))
-    return {"term": term, "model_over_measured": ratios[term], "ratios": ratios}
+    parts = {"verify": "verify_s", "drafter steps": "draft_s", "rollback": "rollback_s", "bookkeeping": "bookkeeping_s"}
+    timed_round = measured.get("round_s") or sum(measured.get(k) or 0.0 for k in (*parts.values(), "reject_s"))
+    effects = {k: (v - 1) if k not in parts else -(v - 1) * measured[parts[k]] / timed_round
+               for k, v in ratios.items()}
+    term = max(effects, key=lambda k: abs(effects[k]))
+    return {"term": term, "model_over_measured": ratios[term], "ratios": ratios, "effects": effects}
 
 
 def fastest_run(runs: list[dict], batch: int, temperature: float) -> dict | None:
