@@ -263,8 +263,15 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
                     continue
                 progress(f"{server} x{c} on {prompt_set_label(prompt_set)}")
                 doc["legs"].append(_leg(cfg, url, model, c, prompt_set, prefix, server, drafter, reported, why_none))
-                store.put("serving", key, doc)
-                alive()
+                try:
+                    alive()
+                except MacMoesdError:
+                    # The server died during this leg or just after its window: its figures are not
+                    # kept, so a resume measures the leg again.
+                    doc["legs"].pop()
+                    raise
+                finally:
+                    store.put("serving", key, doc)
 
     with server_process.sigterm_as_interrupt():
         if cfg.urls:
