@@ -2,6 +2,7 @@
 and the exit status says how complete the run was."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +14,12 @@ from mac_moesd.measure.forward import sweep
 from mac_moesd.measure.peaks import roofline
 from mac_moesd.measure.sd import speedup
 from mac_moesd.pipeline import plans, stages
+from mac_moesd.pipeline.runner import Context, Outcome
 from mac_moesd.cli import cli
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.results import ResultsStore
 
+RECORDED = Path(__file__).parent / "data" / "results_quick_cpu.json"  # a recorded `run --quick`
 META = {"chip_slug": "x", "backend": "cpu", "versions": {}, "blas": {}}
 
 
@@ -138,3 +141,29 @@ def test_every_run_and_spec_time_sd_runs_of_one_length(backend, quick):
     assert plans.default_plan(backend, quick).spec_tokens == speedup.RUN_TOKENS
     spec_tokens = next(p for p in cli.commands["spec"].params if p.name == "new_tokens")
     assert spec_tokens.default == speedup.RUN_TOKENS == speedup.SpecConfig("t", "d").new_tokens
+
+
+def test_a_model_named_otherwise_than_its_results_is_routed_fitted_and_timed_under_its_own_name(tmp_path, monkeypatch):
+    # `--models TINY-MOE` (a zoo name in capitals; a folder's path likewise) resolves to tiny-moe,
+    # the name its sweep and routing are stored by: the fit is made and stored under that name,
+    # the SD stage finds it, and the routing a run measured counts as done on a rerun.
+    recorded = json.loads(RECORDED.read_text())
+    recorded.pop("fits"), recorded.pop("spec")
+    (tmp_path / "results.json").write_text(json.dumps(recorded))
+    store = ResultsStore(tmp_path / "results.json", recorded["meta"])
+    plan = plans.with_models(tiny_plan(), ("TINY-MOE", "tiny-dense"))
+    staged = {s.label: s for s in stages.default_stages(plan)}
+    assert staged["routing TINY-MOE"].done(store.data)
+
+    timed = {}
+
+    def spec(cfg, predictor, usable, plain_step, sources, store):
+        timed.update(predictor=predictor, plain_step=plain_step, target=sources.target.name)
+        return {"valid": True}
+
+    monkeypatch.setattr(speedup, "run_spec", spec)
+    ctx = Context(store, "cpu", None, Outcome())
+    staged["fit"].work(ctx)
+    assert list(store.data["fits"]) == ["tiny-moe"]
+    staged["spec TINY-MOE"].work(ctx)
+    assert timed["target"] == "tiny-moe" and timed["plain_step"](1) > 0

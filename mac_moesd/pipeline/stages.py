@@ -66,21 +66,23 @@ def _routing(plan: Plan, name: str, resolved: Resolved) -> Stage:
         cfg = routing.RoutingConfig(model=name, batches=plan.routing_batches, bits=plan.bits)
         routing.run_routing(cfg, ctx.usable_bytes, ctx.store, resolved[name])
 
-    label = f"routing {name}"
-    return Stage(label, work, done=lambda data: any(keys.routing_key_model(k) == name for k in data.get("routing", {})),
+    label, stored_as = f"routing {name}", resolved[name].name  # results are keyed by the resolved name
+    return Stage(label, work, done=lambda data: any(keys.routing_key_model(k) == stored_as
+                                                    for k in data.get("routing", {})),
                  estimate=lambda sizing: estimate.routing_stage(plan, name, sizing, label, resolved[name]),
                  models=(name,))
 
 
-def fit_targets(plan: Plan, store: ResultsStore, outcome: Outcome) -> None:
-    """Fit every MoE target whose sweep ran; an error when none did."""
+def fit_targets(plan: Plan, resolved: Resolved, store: ResultsStore, outcome: Outcome) -> None:
+    """Fit every MoE target whose sweep ran, under the name its sweep is stored by (a folder's
+    or a zoo model's own name, not the argument that named it); an error when none did."""
     fitted = []
     for name in plan.moe:
         if f"sweep {name}" in outcome.skipped:
             continue
-        inputs = fit.inputs_from_results(store.data, name)
-        fit.store_fit(store.data, name, fit.fit_document(fit.fit(inputs)))
-        fitted.append(name)
+        model = resolved[name].name
+        fit.store_fit(store.data, model, fit.fit_document(fit.fit(fit.inputs_from_results(store.data, model))))
+        fitted.append(model)
     store.save()
     if not fitted:
         raise MacMoesdError("no MoE sweep finished, so there is nothing to fit")
@@ -100,16 +102,16 @@ def _spec(plan: Plan, resolved: Resolved) -> Stage:
                    for key in data.get("spec", {}))
 
     def work(ctx: Context) -> None:
-        data = ctx.store.data
-        if target not in data.get("fits", {}):
+        data, fitted = ctx.store.data, sources.target.name  # fits are stored by the resolved name
+        if fitted not in data.get("fits", {}):
             raise MacMoesdError(f"no fit of {target}, so no predictions to set beside measured SD")
         cfg = speedup.SpecConfig(target=target, draft=draft, batches=plan.spec_batches,
                               gammas=plan.spec_gammas, alphas=(theory.DEFAULT_ALPHA,), context=plan.context,
                               new_tokens=plan.spec_tokens, repeats=plan.spec_repeats,
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
                               stop_when_decided=plan.spec_stop_when_decided)
-        speedup.require_valid(speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][target]), ctx.usable_bytes,
-                                               fit.sweep_plain_step(data, target), sources, ctx.store))
+        speedup.require_valid(speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][fitted]), ctx.usable_bytes,
+                                               fit.sweep_plain_step(data, fitted), sources, ctx.store))
 
     return Stage(f"spec {target}", work, done=done,
                  estimate=lambda sizing: estimate.spec_stage(plan, sizing, sources), models=(target, draft))
@@ -129,7 +131,7 @@ def default_stages(plan: Plan, serving: bool = False) -> list[Stage]:
     resolved = resolve_plan(plan)
     return [roofline_stage(plan), *[_sweep(plan, m, resolved) for m in plan.models],
             *[_routing(plan, m, resolved) for m in plan.moe],
-            Stage("fit", lambda ctx: fit_targets(plan, ctx.store, ctx.outcome)), _spec(plan, resolved),
+            Stage("fit", lambda ctx: fit_targets(plan, resolved, ctx.store, ctx.outcome)), _spec(plan, resolved),
             *([_random_weights_serving()] if serving else [])]
 
 
