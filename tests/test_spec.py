@@ -2,6 +2,7 @@ import json
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -241,6 +242,11 @@ def test_every_token_is_chosen_in_the_vocabulary_both_models_read():
     assert decoded.outputs.max() < vocab
     decoder.reset()
     assert decoder.plain(8).outputs.max() < vocab
+    # Emulated acceptance pays for rejection sampling over the same shared ids (a target with
+    # weights decoding its prompts beside a drafter of another width: the shapes once clashed).
+    decoder.reset()
+    emulated = decoder.speculative(8, 3, "emulated-acceptance", alpha=0.5, rng=np.random.default_rng(0))
+    assert emulated.outputs.max() < vocab
     logprobs = mx.zeros((1, 4 * vocab)).at[0, 3 * vocab].add(5.0)
     assert int(speedup.shared_sampler(0.0, vocab)(logprobs)[0]) < vocab
     assert int(speedup.shared_sampler(1.0, vocab)(logprobs)[0]) < vocab

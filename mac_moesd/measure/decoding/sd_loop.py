@@ -185,7 +185,8 @@ class Decoder:
             chosen = self.emit(verify, temperature)  # (B, gamma+1)
             extra = []
             if mode == "emulated-acceptance":  # pay for rejection sampling, then accept with alpha
-                extra = [rejection_sample(verify, mx.concatenate(draft_logits, axis=1), drafts_arr)[0]]
+                extra = [rejection_sample(within(verify, self.vocab),
+                                          within(mx.concatenate(draft_logits, axis=1), self.vocab), drafts_arr)[0]]
             elif probs is not None:
                 extra = _rule_probabilities(verify[:, :gamma], mx.concatenate(draft_logits, axis=1),
                                             drafts_arr, temperature)
