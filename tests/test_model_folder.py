@@ -32,6 +32,18 @@ def test_a_folder_with_only_a_config_is_random_weights_by_design(config_dir):
     assert models.build(source).layers == tiny_config()["num_hidden_layers"]
 
 
+def test_a_folder_is_named_by_its_own_name_however_it_was_given(config_dir, monkeypatch):
+    # Results are keyed by the name: "." (a user inside the folder) or a trailing slash must not
+    # make it empty or different.
+    folder = config_dir(tiny_config())
+    assert models.resolve(str(folder) + "/").name == folder.name
+    monkeypatch.chdir(folder)
+    assert models.resolve(".").name == folder.name
+    assert models.resolve("config.json").name == folder.name
+    monkeypatch.chdir(folder.parent)
+    assert models.resolve(f"./{folder.name}").name == folder.name
+
+
 def test_a_shard_the_index_names_but_the_folder_lacks_is_refused(tmp_path):
     folder, _ = saved(tmp_path / "m")
     index = json.loads((folder / "model.safetensors.index.json").read_text())

@@ -19,6 +19,7 @@ import functools
 import glob
 import io
 import json
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,9 +72,9 @@ def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_dir():
         config = zoo.read_config(path / "config.json")
-        return ModelSource(path.name, config, weights_folder(path))
+        return ModelSource(_named(path), config, weights_folder(path))
     if path.suffix == ".json" or path.exists():
-        return ModelSource(path.parent.name or path.stem, zoo.read_config(path))
+        return ModelSource(_named(path.parent) or path.stem, zoo.read_config(path))
     if "/" in model:
         # A snapshot with all its weights first; a config-only one (random weights) otherwise.
         cached = hfcache.cached_model(model) or hfcache.cached_model(model, need_weights=False)
@@ -86,6 +87,12 @@ def resolve(model: str) -> ModelSource:
         return replace(resolve(str(cached)), name=model)
     entry = zoo.by_name(model)
     return ModelSource(entry.name, zoo.normalise(entry.config))
+
+
+def _named(folder: Path) -> str:
+    """A folder's own name, also where it was given as ``.`` or ``..`` (symlinks kept: the
+    name the user gave, not its target's)."""
+    return Path(os.path.abspath(folder)).name
 
 
 def _listed(names: list[str]) -> str:
