@@ -436,3 +436,16 @@ def test_server_goes_when_its_parent_is_terminated_interrupted_or_killed(tmp_pat
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_rerun_naming_the_models_otherwise_keeps_the_legs_of_the_same_models():
+    # The first run named the folders relatively with a slash, the rerun by absolute paths: the
+    # same models (their resolved names, the document's key), so the legs measured are kept.
+    legs = [{"server": "plain", "concurrency": 1, "prompts": "code"}]
+    common = {"gamma": 4, "tokens": 8, "prompts": ["code"], "window_s": 1.0, "warmup_s": 0.0,
+              "shared_prefix": None, "concurrency": [1, 2], "server": [], "target_name": "my-moe",
+              "draft_name": "my-draft"}
+    earlier = {**common, "target": "models/my-moe/", "draft": "./models/my-draft", "legs": legs}
+    rerun = {**common, "target": "/home/me/models/my-moe", "draft": "/home/me/models/my-draft"}
+    assert serving_stage._kept(earlier, rerun)[0] == legs
+    assert serving_stage._kept(earlier, {**rerun, "target_name": "other-moe"})[0] == []

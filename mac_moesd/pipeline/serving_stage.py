@@ -290,8 +290,10 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
     return doc
 
 
-# What a serving document's legs were measured under: a rerun with the same keeps them.
-RESUMED_WITH = ("target", "draft", "gamma", "tokens", "prompts", "window_s", "warmup_s", "shared_prefix")
+# What a serving document's legs were measured under: a rerun with the same keeps them. The
+# models by their resolved names, as the document's key: not the arguments, which may spell them
+# otherwise (a path with a trailing slash, an absolute path).
+RESUMED_WITH = ("target_name", "draft_name", "gamma", "tokens", "prompts", "window_s", "warmup_s", "shared_prefix")
 
 
 def _leg_id(leg: dict) -> tuple:
