@@ -246,6 +246,20 @@ def test_peaks_and_window():
     assert peak["peak_batch"] == 2 and peak["window"] == [2, 4]
 
 
+def test_cli_fit_takes_the_model_as_sweep_took_it(tmp_path):
+    # `sweep TINY-MOE` (or a folder's path) stores the sweep as tiny-moe; `fit --model` accepts
+    # the same spelling, and names what the results hold when nothing matches.
+    path = tmp_path / "results.json"
+    data = json.loads((Path(__file__).parent / "data" / "results_quick_cpu.json").read_text())
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(cli, ["fit", str(path), "--model", "TINY-MOE", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == "tiny-moe"
+    result = CliRunner().invoke(cli, ["fit", str(path), "--model", "nope"])
+    assert result.exit_code == 1
+    assert "no MoE sweep of nope in the results (they hold tiny-moe, tiny-moe-8x2)" in result.stderr
+
+
 def test_cli_fit_json(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(synthetic_results()))

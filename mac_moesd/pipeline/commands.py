@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 from mac_moesd.analysis import fit, theory
 from mac_moesd.errors import BadInput, MacMoesdError
+from mac_moesd.inputs import models
 from mac_moesd.machine import blas, hardware, memory, metadata
 from mac_moesd.measure.clock import timing
 from mac_moesd.measure.experts import routing
@@ -132,6 +133,17 @@ def run_routing(cfg: routing.RoutingConfig, memory_limit_gib: float | None, out:
     return _stored(document, meta, store)
 
 
+def stored_name(data: dict, model: str | None) -> str | None:
+    """``--model`` as the results name it: as given where a sweep has that name, else as the
+    argument resolves (a folder's path, a zoo name in other capitals), as the sweep named it."""
+    if model is None or any(entry.get("model") == model for entry in data.get("sweeps", {}).values()):
+        return model
+    try:
+        return models.resolve(model).name
+    except MacMoesdError:
+        return model  # not a model here: the fit says which sweeps the results hold
+
+
 def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | None, verify_tokens: str,
                 warn: Warn) -> dict:
     """`mac-moesd fit`: the fit of a results file (or its folder), written back into it unless
@@ -149,7 +161,7 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
     try:
         data = load_results(path)
         with validate.read_guard(path):
-            inputs = fit.inputs_from_results(data, model, verify_tokens)
+            inputs = fit.inputs_from_results(data, stored_name(data, model), verify_tokens)
         if inputs.ridge is not None and "no roofline" in inputs.ridge_source:
             warn(f"ridge and bandwidth from the {inputs.ridge_source}")
         for what in inputs.missing:

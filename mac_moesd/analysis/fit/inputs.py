@@ -176,10 +176,12 @@ def _re_forwards(kinds: dict) -> bool:
 
 def _target_view(data: dict, model: str | None):
     """The digest's view of the first MoE sweep (of ``model`` when named); refuses without one."""
-    views = [m for m in Digest(data).models if m.experts and (model is None or m.name == model)]
+    moe = [m for m in Digest(data).models if m.experts]
+    views = [m for m in moe if model is None or m.name == model]
     if not views:
         which = f" of {model}" if model else ""
-        raise MacMoesdError(f"no MoE sweep{which} in the results: run `mac-moesd sweep MODEL` first")
+        held = f" (they hold {', '.join(sorted({m.name for m in moe}))})" if moe else ""
+        raise MacMoesdError(f"no MoE sweep{which} in the results{held}: run `mac-moesd sweep MODEL` first")
     return views[0]
 
 
