@@ -112,3 +112,26 @@ def test_ctrl_c_keeps_results_and_says_how_to_resume(tmp_path):
     assert "results written so far are kept" in err.strip().splitlines()[-1]
     assert "Traceback" not in err
     assert 1 <= len(read_points(results)) < GRID
+
+
+def test_another_model_of_the_same_name_is_refused_and_the_results_are_kept(tmp_path):
+    # Two folders called my-moe (top-4 of 64 experts, top-8 of 64): the second sweep would find
+    # the first one's points under its own key and report them as its own.
+    from mac_moesd.inputs import zoo
+
+    config = zoo.miniature(zoo.by_name("tiny-moe").config)
+    first, second = tmp_path / "a" / "my-moe", tmp_path / "b" / "my-moe"
+    for folder, top_k in ((first, config["num_experts_per_tok"]), (second, 8)):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": top_k}))
+    out = tmp_path / "out"
+    assert invoke("sweep", str(first), "--batch", "1", "--tokens", "1", *QUICK, "--out", out).exit_code == 0
+    before = (out / "results.json").read_text()
+    assert json.loads(before)["models"]["my-moe"]["weights"] == "random"
+    result = invoke("sweep", str(second), "--batch", "1", "--tokens", "1", *QUICK, "--out", out)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and "another model named my-moe (another config)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (out / "results.json").read_text() == before
+    # The same folder again, named another way, is the same model: it resumes.
+    assert invoke("sweep", str(first) + "/", "--batch", "1", "--tokens", "1", *QUICK, "--out", out).exit_code == 0

@@ -265,3 +265,16 @@ def test_a_filesystem_without_locks_is_written_unlocked(earlier, monkeypatch):
     store.close()
     assert path.resolve() not in WriterLock._held
     assert "k2" in load_results(path)["sweeps"]
+
+
+def test_a_name_is_claimed_by_one_model_and_another_of_that_name_refused(tmp_path):
+    store = ResultsStore(tmp_path / "r.json", META)
+    random_weights = {"config_sha256": "0123456789abcdef", "weights": "random"}
+    store.claim("my-moe", random_weights)
+    store.claim("my-moe", dict(random_weights))  # the same model again
+    with pytest.raises(MacMoesdError, match=r"another model named my-moe \(random weights, where this "
+                                            r"one's are stored\).*--out"):
+        store.claim("my-moe", {**random_weights, "weights": "stored"})
+    with pytest.raises(MacMoesdError, match=r"another model named my-moe \(another config\)"):
+        store.claim("my-moe", {**random_weights, "config_sha256": "fedcba9876543210"})
+    assert store.data["models"] == {"my-moe": random_weights}

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import functools
 import glob
+import hashlib
 import io
 import json
 import os
@@ -57,6 +58,13 @@ class ModelSource:
     def has_weights(self) -> bool:
         return self.weights_dir is not None
 
+    def identity(self) -> schema.ModelIdentity:
+        """What tells two models of one name apart in a results file (``ResultsStore.claim``): a
+        digest of the config as read, and whether its weights are stored or random."""
+        config = json.dumps(self.config, sort_keys=True, default=str).encode()
+        return {"config_sha256": hashlib.sha256(config).hexdigest()[:16],
+                "weights": "stored" if self.has_weights else "random"}
+
 
 @dataclass(frozen=True)
 class Sources:
@@ -65,6 +73,12 @@ class Sources:
 
     target: ModelSource
     draft: ModelSource | None  # None where no drafter model drafts (prompt lookup, an MTP head)
+
+    def claim(self, store) -> None:
+        """Both models' names claimed in the results ``store`` (``ResultsStore.claim``)."""
+        for source in (self.target, self.draft):
+            if source is not None:
+                store.claim(source.name, source.identity())
 
 
 def resolve(model: str) -> ModelSource:

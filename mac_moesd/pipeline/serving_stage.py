@@ -231,6 +231,7 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
         from mac_moesd.inputs import models
 
         sources = sources or models.Sources(models.resolve(cfg.target), models.resolve(cfg.draft) if cfg.draft else None)
+        sources.claim(store)
         target_name = sources.target.name
         draft_name = sources.draft.name if sources.draft else None
     if not cfg.urls:

@@ -963,9 +963,16 @@ class CommunicationEntry(TypedDict, total=False):
 # ---- the file (§7.1) ----
 
 
+class ModelIdentity(TypedDict):
+    """A model as the results name it (``ModelSource.identity``)."""
+    config_sha256: str  # the first 16 hex digits of its config's digest
+    weights: str  # "stored" or "random"
+
+
 class ResultsFile(TypedDict, total=False):
     schema: str
     meta: Meta
+    models: dict[str, ModelIdentity]  # by the name its results are keyed by
     roofline: Roofline
     sweeps: dict[str, SweepEntry]
     draft: dict[str, SweepEntry]

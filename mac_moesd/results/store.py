@@ -214,6 +214,24 @@ class ResultsStore:
         else:
             self.data = {"schema": SCHEMA, "meta": meta}
 
+    def claim(self, name: str, identity: Mapping[str, str]) -> None:
+        """Record that ``name`` in these results is the model ``identity`` describes
+        (``ModelSource.identity``); refuse, before anything of it is written, where they hold
+        results of another model of that name (two folders called alike, random weights and
+        stored ones), whose entries a resumed command would otherwise take for its own."""
+        held = self.data.get("models", {}).get(name)
+        if held is None:
+            self.section("models")[name] = dict(identity)
+            return
+        if held.get("config_sha256") != identity["config_sha256"]:
+            why = "another config"
+        elif held.get("weights") != identity["weights"]:
+            why = f"{held.get('weights')} weights, where this one's are {identity['weights']}"
+        else:
+            return
+        raise MacMoesdError(f"{self.path} holds results of another model named {name} ({why}); they were "
+                            "left untouched: write to another folder with --out, or rename the model's folder")
+
     def section(self, name: str) -> dict:
         return self.data.setdefault(name, {})
 

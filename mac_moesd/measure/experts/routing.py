@@ -260,6 +260,8 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None, store: ResultsS
     if cfg.text is not None and cfg.prompts is not None:
         raise BadInput("--text and --prompts exclude each other")
     source = source or models.resolve(cfg.model)
+    if store is not None:
+        store.claim(source.name, source.identity())
     shape = zoo_shape(source.config)
     if cfg.prompts is None:
         text, where = load_text(cfg.text)

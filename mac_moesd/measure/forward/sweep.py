@@ -358,6 +358,7 @@ def run_sweep(
     rng = random.Random(cfg.seed)
     sources = sources or resolve_sources(cfg)
     source = validate(cfg, sources)
+    sources.claim(store)
     cfg, one_context = timed_config(source, cfg)
     mode = parse_routing(cfg.routing)
     plan = plan_layers(source, cfg, available_bytes, build)

@@ -775,7 +775,10 @@ def run_spec(cfg: SpecConfig, predictor=None, available_bytes: int | None = None
     ``rules`` at temperature > 0 with prompts (``rules_worth``). ``acceptance`` (``real`` mode
     with prompts): one ``acceptance_run.measure_acceptance`` entry per gamma and temperature."""
     rng = np.random.default_rng(cfg.seed)
-    target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes, sources or resolve_sources(cfg))
+    sources = sources or resolve_sources(cfg)
+    if store is not None:
+        sources.claim(store)
+    target, draft, inputs, need, vocab = prepare_models(cfg, available_bytes, sources)
     if target.layers < target.layers_full:
         predictor = None  # the fit predicts the full model, not a slice
     # No drafter model: prompt lookup (None), or an MTP head built on the target.
