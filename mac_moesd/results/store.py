@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from mac_moesd.errors import MacMoesdError
 from mac_moesd.finite_json import finite_document
-from mac_moesd.results import validate
+from mac_moesd.results import schema, validate
 from mac_moesd.results.schema import READS, SCHEMA, upgrade
 
 __all__ = ["ResultsBusy", "ResultsStore", "WriterLock", "ensure_writable", "incompatibility", "load_results",
@@ -214,14 +214,14 @@ class ResultsStore:
         else:
             self.data = {"schema": SCHEMA, "meta": meta}
 
-    def claim(self, name: str, identity: Mapping[str, str]) -> None:
+    def claim(self, name: str, identity: schema.ModelIdentity) -> None:
         """Record that ``name`` in these results is the model ``identity`` describes
         (``ModelSource.identity``); refuse, before anything of it is written, where they hold
         results of another model of that name (two folders called alike, random weights and
         stored ones), whose entries a resumed command would otherwise take for its own."""
         held = self.data.get("models", {}).get(name)
         if held is None:
-            self.section("models")[name] = dict(identity)
+            self.section("models")[name] = {**identity}
             return
         if held.get("config_sha256") != identity["config_sha256"]:
             why = "another config"
