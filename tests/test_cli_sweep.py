@@ -114,6 +114,7 @@ def test_ctrl_c_keeps_results_and_says_how_to_resume(tmp_path):
     assert 1 <= len(read_points(results)) < GRID
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_another_model_of_the_same_name_is_refused_and_the_results_are_kept(tmp_path):
     # Two folders called my-moe (top-4 of 64 experts, top-8 of 64): the second sweep would find
     # the first one's points under its own key and report them as its own.

@@ -68,6 +68,7 @@ def test_the_model_prices_a_drafter_step_timed_elsewhere_by_hand():
     assert fit.speedup_predictor({**hand_fit_doc(), "drafted": False}) is None
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_spec_with_the_head_records_it_and_refuses_what_it_cannot_measure(tmp_path):
     result = CliRunner().invoke(cli, ["spec", "tiny-moe", "--draft", "mtp-head", "--batch", "1", "--gamma", "2",
                                       "--tokens", "8", "--repeats", "2", "--budget", "0.2", "--out", str(tmp_path)])

@@ -194,6 +194,7 @@ def test_a_cache_class_it_does_not_know_is_refused_by_name():
         rollback.Rollback(None, [KVCache()], "replay-all")
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_a_spec_run_on_a_hybrid_records_its_rollback_and_audit():
     doc = speedup.run_spec(speedup.SpecConfig(target="tiny-hybrid-moe", draft="tiny-draft", batches=(1, 2),
                                         gammas=(2,), mode="emulated-acceptance", alphas=(0.7,),

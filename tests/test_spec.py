@@ -92,6 +92,7 @@ def test_bad_spec_config(kw):
         small("self-draft" if "mode" not in kw else kw.pop("mode"), **kw)
 
 
+@pytest.mark.slow  # loads and times models end to end
 def test_cli_spec_json(tmp_path, config_dir, monkeypatch):
     from mac_moesd.inputs import models
 

@@ -20,6 +20,10 @@ the pair's, not the drafter's alone: ``keys.chains_of``). A target too big for m
 slices, and its chains follow the verify of its larger slice: what the chain pays is the
 drafter's weights gone from the caches the target's forward passed through, and a slice of such
 a target reads far more bytes than any cache holds, as the whole target would.
+
+Beside the chains, on the same caches and after the same untimed verify, the sweep times the SD
+loop's empty round (``measure.decoding.bookkeeping``), which a round also runs right after its
+verify and which, timed back to back, finds its arrays in caches a verify empties.
 """
 
 from __future__ import annotations
