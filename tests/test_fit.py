@@ -519,28 +519,6 @@ def test_the_loops_bookkeeping_term_recovers_a_line_and_is_priced_in_every_round
     assert cost.bookkeeping == pytest.approx(0.25e-3) and cost.round == pytest.approx(1.55e-3)
 
 
-def test_the_fit_takes_the_empty_rounds_timed_after_a_verify_over_those_timed_back_to_back():
-    # Back to back beside rejection sampling: 0.1 ms + 0.01 ms per sequence; after an untimed
-    # verify, as a round runs it: 0.5 ms + 0.02 ms per sequence (no noise).
-    data = synthetic_results(noise=0.0)
-    data["reject"]["r"]["bookkeeping_points"] = {f"{b}x5": {"median_s": 0.1e-3 + 0.01e-3 * b} for b in (1, 2, 4, 8)}
-    back = fit.fit_document(fit.fit(fit.inputs_from_results(data)))
-    assert back["bookkeeping_after_verify"] is False
-    assert back["bookkeeping"]["a_s"] == pytest.approx(0.1e-3, rel=1e-6)
-    data["sweeps"]["m"]["bookkeeping_after_verify"] = {f"{b}x5": {"median_s": 0.5e-3 + 0.02e-3 * b}
-                                                       for b in (1, 2, 4, 8)}
-    after = fit.fit_document(fit.fit(fit.inputs_from_results(data)))
-    assert after["bookkeeping_after_verify"] is True and after["bookkeeping"]["points"] == 4
-    assert after["bookkeeping"]["a_s"] == pytest.approx(0.5e-3, rel=1e-6)
-    assert after["bookkeeping"]["b_s"] == pytest.approx(0.02e-3, rel=1e-6)
-    # The report says how the term's empty rounds were timed (a fit made before it said: back to back).
-    from mac_moesd.reporting import report
-
-    assert "each after an untimed verify" in report._bookkeeping_timed(after)
-    assert "back to back, where a round runs it after the verify" in report._bookkeeping_timed(back)
-    assert report._bookkeeping_timed({}) == "back to back"
-
-
 def test_the_drafters_start_after_a_verify_is_recovered_from_its_chains_and_priced_in_every_round():
     # Chains timed after a verify at gamma 1, 2 and 4 cost the drafter's steps plus 0.4 ms + 0.05 ms
     # per sequence + 0.1 ms per step after the first (no pipelined points: each step as fitted, T_D(B)).

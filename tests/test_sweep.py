@@ -1,4 +1,3 @@
-import itertools
 import json
 
 import mlx.core as mx
@@ -137,9 +136,6 @@ def test_draft_and_reject_steps(tmp_path):
     assert doc["draft"]["chains_after_layers"] == doc["layers_full"]
     (target,) = json.loads((tmp_path / "r.json").read_text())["sweeps"].values()
     assert sorted(target["draft_chains"]["tiny-draft"]["points"]) == ["1x1", "1x2", "1x4", "2x1", "2x2", "2x4"]
-    # and the empty round again, each sample after an untimed verify of the target, as a round runs it
-    assert sorted(target["bookkeeping_after_verify"]) == ["1x5", "2x5"]
-    assert [(p["batch"], p["tokens"]) for p in doc["reject"]["bookkeeping_after_verify"]] == [(1, 5), (2, 5)]
 
 
 def test_saved_model_with_weights_loads_through_mlx_lm(tmp_path):
@@ -280,22 +276,19 @@ def test_a_drafters_chain_is_timed_after_a_verify_of_the_target_and_kept_on_a_re
     log: list = []
     target.model, draft.model = Recording(target.model, "target", log), Recording(draft.model, "draft", log)
     record: dict = {"points": {}}
-    empty_rounds: dict = {}
     saves = []
     todo = draft_chain.missing(record, (1, 2), 3)
     draft_chain.measure_chains(target, draft, todo, 16, record, TINY_BUDGET, lambda: saves.append(1),
-                               Progress(), random.Random(0), empty_rounds, (1, 2), 3)
-    assert sorted(record["points"]) == ["1x1", "1x2", "1x3", "2x1", "2x2", "2x3"] and len(saves) == 8
+                               Progress(), random.Random(0))
+    assert sorted(record["points"]) == ["1x1", "1x2", "1x3", "2x1", "2x2", "2x3"] and len(saves) == 6
     assert all(m["median_s"] > 0 and m["repeats"] == 3 for m in record["points"].values())
-    # The SD loop's empty round at gamma 3, beside them, after the same verify.
-    assert sorted(empty_rounds) == ["1x4", "2x4"] and all(m["median_s"] > 0 for m in empty_rounds.values())
-    # After the prefills, every sample: a verify of gamma + 1 tokens, then gamma one-token drafter
-    # steps for a chain, none for an empty round (it runs no forward).
+    # After the prefills, every sample: a verify of gamma + 1 tokens, then gamma one-token drafter steps.
     samples = log[2:]  # the two prefills
     verifies = [i for i, (who, _) in enumerate(samples) if who == "target"]
-    assert len(verifies) == 6 * 3 + 2 * 3
-    steps = [len(list(itertools.takewhile(lambda s: s == ("draft", 1), samples[i + 1:]))) for i in verifies]
-    assert sorted(samples[i][1] - 1 - n for i, n in zip(verifies, steps)) == [0] * 18 + [3] * 6
+    assert len(verifies) == 6 * 3
+    for i in verifies:
+        gamma = samples[i][1] - 1
+        assert samples[i + 1 : i + 1 + gamma] == [("draft", 1)] * gamma
     assert [row["gamma"] for row in draft_chain.chain_rows(record)] == [1, 2, 3, 1, 2, 3]
     assert all("samples_s" not in row for row in draft_chain.chain_rows(record))
     # Kept: none missing, and a larger gamma adds only its own chains.
@@ -382,8 +375,7 @@ def test_kept_chains_build_nothing_and_count_each_batch_once(tmp_path, monkeypat
     cfg = small_sweep("tiny-moe", draft="tiny-draft", gamma=2)
     m = {"median_s": 0.003}
     entry = {"draft_chains": {"tiny-draft": {"points": {k: m for k in ("1x1", "1x2", "2x1", "2x2")},
-                                             "skipped": "an earlier run's reason"}},
-             "bookkeeping_after_verify": {"1x3": m, "2x3": m}}  # the empty rounds at gamma 2
+                                             "skipped": "an earlier run's reason"}}}
     monkeypatch.setattr(sweep.models, "build", no_build)
     progress = Steps()
     sweep.measure_chains_with(None, entry, cfg, models.resolve("tiny-draft"), ResultsStore(tmp_path / "r.json", META),

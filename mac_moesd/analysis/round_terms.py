@@ -7,8 +7,7 @@ nobody timed:
 - the SD loop's **bookkeeping**: besides its forwards, rejection sampling and rollback, every
   round of the suite's loop chooses the target's token at each position from the verify's logits,
   synchronises once, decides what was accepted and builds the next pending token
-  (``measure.decoding.bookkeeping``). The sweep times that empty round after an untimed verify,
-  beside the drafter's chains, and back to back beside rejection sampling (the fallback).
+  (``measure.decoding.bookkeeping``). The sweep times that empty round beside rejection sampling.
 - the **drafter's start**: a round's draft chain runs right after the target's verify, which the
   drafter's grid points, timed back to back, never follow (``measure.forward.draft_chain``). The
   term is the chains the sweep timed after a verify less the drafter steps the fit prices for them;

@@ -223,18 +223,13 @@ def sweep_stage(plan: Plan, name: str, sizing: Sizing, sources: models.Sources) 
 
 def _chain_seconds(target, draft, rates: Rates, plan: Plan, gamma: int) -> float:
     """The drafter's chains after a verify (``draft_chain``): both models prefilled again, then
-    each chain timed after an untimed verify of the target (whole, or its larger slice), and
-    beside them the SD loop's empty round (a read of the verify's logits) after the same verify."""
+    each chain timed after an untimed verify of the target (whole, or its larger slice)."""
     big, context = max(plan.batches), plan.context
     seconds = (materialise_seconds(draft, rates) + prefill_seconds(target, rates, big, context)
                + prefill_seconds(draft, rates, big, context))
-    seconds += sum(point_seconds(g * forward_seconds(draft, rates, b, 1, context), plan.budget,
-                                 untimed=forward_seconds(target, rates, b, g + 1, context))
-                   for b in plan.batches for g in draft_chain.chain_gammas(gamma))
-    return seconds + sum(point_seconds(memory.logits_bytes(target.config, b, gamma + 1) / rates.bandwidth_bytes_s,
-                                       plan.budget, untimed=forward_seconds(target, rates, b, gamma + 1, context),
-                                       seconds=draft_chain.empty_round_seconds(plan.budget))
-                         for b in plan.batches)
+    return seconds + sum(point_seconds(g * forward_seconds(draft, rates, b, 1, context), plan.budget,
+                                       untimed=forward_seconds(target, rates, b, g + 1, context))
+                         for b in plan.batches for g in draft_chain.chain_gammas(gamma))
 
 
 def routing_stage(plan: Plan, name: str, sizing: Sizing, label: str, source: models.ModelSource,

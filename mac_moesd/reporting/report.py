@@ -374,17 +374,8 @@ def _bookkeeping_lines(f: dict) -> list[str]:
     return _round_term_lines(f, "bookkeeping", lambda book: (
         f"the SD loop's own work a round besides its forwards (the token choice, the one "
         f"synchronisation, the acceptance decision: an empty round the sweep timed at {book['points']} "
-        f"batches, {_bookkeeping_timed(f)}) is T_book(B) = {book['a_s'] * 1e3:.3f} ms + {book['b_s'] * 1e3:.4f} ms x B "
+        f"batches) is T_book(B) = {book['a_s'] * 1e3:.3f} ms + {book['b_s'] * 1e3:.4f} ms x B "
         f"(MAPE {pct(book['mape'])}), priced in every predicted round"), lambda model, cost: cost.bookkeeping)
-
-
-def _bookkeeping_timed(f: dict) -> str:
-    """How the sweep timed the fit's empty rounds; fits made before it said nothing of it."""
-    if "bookkeeping_after_verify" not in f:
-        return "back to back"
-    return "each after an untimed verify, as a round runs it" if f["bookkeeping_after_verify"] else (
-        "back to back, where a round runs it after the verify (the sweep timed no drafter's chains to time "
-        "it beside)")
 
 
 def _draft_start_lines(f: dict) -> list[str]:

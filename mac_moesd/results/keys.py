@@ -10,7 +10,7 @@ from __future__ import annotations
 from mac_moesd.results import schema
 
 __all__ = [
-    "BOOKKEEPING_AFTER_VERIFY", "DRAFTER_KINDS", "DRAFT_CHAINS", "bookkeeping_after_verify", "chain_points", "chain_record", "chains_of", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
+    "DRAFTER_KINDS", "DRAFT_CHAINS", "chain_points", "chain_record", "chains_of", "MTP_HEAD", "PAIR_MODES", "PROMPT_LOOKUP", "drafter_kind", "pair_key", "pair_spec_key",
     "parse_point_key", "point_key", "prompt_set_text", "reject_key", "routing_document_key", "routing_key",
     "routing_key_model", "serving_key", "spec_document_key", "spec_key", "spec_key_parts", "sweep_key", "sweep_key_variant",
 ]
@@ -65,18 +65,6 @@ def chain_record(entries: list[dict], drafter: str) -> tuple[dict, int | None]:
             entry = max(holding, key=lambda e: e.get("layers", 0))
             return record(entry), entry.get("layers")
     return {"points": {}}, None
-
-
-# Beside the chains, the SD loop's empty round timed after the same untimed verify
-# (``measure.decoding.bookkeeping``): ``point_key(batch, gamma + 1)`` -> measurement.
-BOOKKEEPING_AFTER_VERIFY = "bookkeeping_after_verify"
-
-
-def bookkeeping_after_verify(entries: list[dict]) -> dict[str, dict]:
-    """The empty rounds timed after this target's verify, from the deepest of a sweep's entries
-    (its slices) holding them; empty where none does."""
-    holding = [e for e in entries if e.get(BOOKKEEPING_AFTER_VERIFY)]
-    return max(holding, key=lambda e: e.get("layers", 0))[BOOKKEEPING_AFTER_VERIFY] if holding else {}
 
 
 def chain_points(record: dict) -> list[tuple[int, int, float]]:

@@ -336,7 +336,6 @@ class SweepEntry(TypedDict, total=False):
     kv_twins: dict[str, dict[str, Measurement]]
     kv_untrimmable: bool
     draft_chains: dict[str, DraftChains]  # by drafter: its chains after this entry's verify (§7.5)
-    bookkeeping_after_verify: dict[str, Measurement]  # the SD loop's empty round after the same verify
     drift: Drift | None
     memory: Memory
     thermal_pressure: ThermalPressure
@@ -558,7 +557,6 @@ class FitDocument(TypedDict, total=False):
     missing: list[str]
     pipelining: Pipelining
     bookkeeping: RoundTerm
-    bookkeeping_after_verify: bool  # its empty rounds followed the target's verify (false: back to back; absent before)
     draft_start: RoundTerm  # the drafter's chain after the verify, beyond its fitted steps
     routing: FitRouting
     one_row: OneRow | None

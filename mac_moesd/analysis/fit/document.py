@@ -65,7 +65,6 @@ def fit_document(result: FitResult, alphas=DEFAULT_ALPHAS) -> dict:
         "missing": list(i.missing),
         "pipelining": result.pipelining,
         "bookkeeping": result.bookkeeping,
-        "bookkeeping_after_verify": i.bookkeeping_after_verify,
         "draft_start": result.draft_start,
         "routing": i.routing.to_dict(),
         "one_row": chosen.one_row,

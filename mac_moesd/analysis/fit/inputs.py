@@ -85,7 +85,6 @@ class FitInputs:
     reforward: tuple[str, ...] = ()  # models whose rollback re-forwards (``_re_forwards``)
     linear_layers: int = 0  # the target's recurrent (linear-attention, Mamba2) layers: k_rec's multiplier
     bookkeeping: tuple[tuple[int, float], ...] = ()  # (batch, seconds): the SD loop's empty round
-    bookkeeping_after_verify: bool = False  # timed after the target's verify, as a round runs it (else back to back)
     draft_chains: tuple[tuple[int, int, float], ...] = ()  # (batch, gamma, seconds): chains after a verify
 
     @property
@@ -124,9 +123,8 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
     stages = shape["ranks"] if shape and shape["parallel"] == "pipeline" else 1
     threshold, threshold_source = _sort_threshold(data, full)
     side = draft if draft and rejects else None  # the drafter's points count only with T_rej's
-    at_context = [e for e in view.entries if e["context"] == full["context"]]
-    chains = keys.chain_record(at_context, draft["model"])[0] if draft else {"points": {}}
-    after_verify = keys.bookkeeping_after_verify(at_context)
+    chains = (keys.chain_record([e for e in view.entries if e["context"] == full["context"]], draft["model"])[0]
+              if draft else {"points": {}})
     return FitInputs(
         model=view.name,
         experts=footprint["experts"],
@@ -144,8 +142,7 @@ def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFA
         draft=[(b, s) for b, _, s in _as_pairs(side["points"])] if side else [],
         reject=[(b, s) for b, _, s in _as_pairs(rejects[0]["points"])] if side else [],
         bookkeeping=tuple((b, s) for b, _, s in _as_pairs(
-            after_verify or next((e["bookkeeping_points"] for e in rejects if e.get("bookkeeping_points")), {}))),
-        bookkeeping_after_verify=bool(after_verify),
+            next((e["bookkeeping_points"] for e in rejects if e.get("bookkeeping_points")), {}))),
         draft_chains=tuple(keys.chain_points(chains)) if side else (),
         context=full["context"],
         draft_model=draft["model"] if draft else None,

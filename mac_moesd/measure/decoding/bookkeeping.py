@@ -5,13 +5,8 @@ loop runs it, the rollback, and the loop's own work: the target's token at every
 the verify's logits, the round's one synchronisation, the acceptance decision and the next
 pending and emitted tokens. That last part is timed here on stand-in arrays of a round's shapes,
 through the functions the suite's loop calls (``sd_loop.accept``, ``advance``), beside each SD
-pair (``round_parts``) and at every batch of a sweep, so that the fit prices it as a term of its
-own (``analysis.round_terms``). In a round it follows the target's verify, whose forward leaves
-the round's arrays out of the processor's caches: on the CPU backend (tiny-moe, gamma 4, B = 1,
-2, 4, 8, one process) it took 0.55-0.65 ms after an untimed verify against 0.15-0.35 ms timed back
-to back. So a sweep with a drafter times it after the same verify as the drafter's chains
-(``draft_chain.measure_chains``), and every sweep also back to back beside rejection sampling
-(``sweep.measure_reject``), the figure the fit falls back on. mlx-lm's batch-1
+pair (``round_parts``) and at every batch of a sweep with a drafter (``sweep.measure_reject``), so
+that the fit prices it as a term of its own (``analysis.round_terms``). mlx-lm's batch-1
 ``speculative_generate_step`` is a closed generator whose round cannot be run empty: a replica of
 its per-round Python stands in for it (``mlx_lm_bookkeeping``).
 """
@@ -37,11 +32,10 @@ def _stand_ins(batch: int, gamma: int, vocab: int) -> tuple[mx.array, mx.array, 
     return arrays
 
 
-def bookkeeping_point(batch: int, gamma: int, vocab: int, mode: str, emit: Callable[[mx.array], mx.array],
-                      before: Callable[[], None] | None = None) -> timing.Point:
+def bookkeeping_point(batch: int, gamma: int, vocab: int, mode: str,
+                      emit: Callable[[mx.array], mx.array]) -> timing.Point:
     """The suite's loop's empty round (see the module docstring): ``emit`` the decoder's choice of
-    tokens from logits, then ``accept`` and ``advance`` as the loop calls them; ``before``: what
-    runs untimed ahead of each sample (the target's verify)."""
+    tokens from logits, then ``accept`` and ``advance`` as the loop calls them."""
     logits, drafts, pending = _stand_ins(batch, gamma, vocab)
     draws = np.random.default_rng(0)
 
@@ -51,7 +45,7 @@ def bookkeeping_point(batch: int, gamma: int, vocab: int, mode: str, emit: Calla
         _, kept, following, emitted = advance(pending, chosen, drafts, accepted)
         return [kept, following, *emitted]
 
-    return timing.Point(run=run, before=before)
+    return timing.Point(run=run)
 
 
 def mlx_lm_bookkeeping(gamma: int, vocab: int) -> timing.Point:

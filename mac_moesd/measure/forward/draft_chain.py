@@ -20,16 +20,11 @@ the pair's, not the drafter's alone: ``keys.chains_of``). A target too big for m
 slices, and its chains follow the verify of its larger slice: what the chain pays is the
 drafter's weights gone from the caches the target's forward passed through, and a slice of such
 a target reads far more bytes than any cache holds, as the whole target would.
-
-Beside the chains, on the same caches and after the same untimed verify, the sweep times the SD
-loop's empty round (``measure.decoding.bookkeeping``), which a round also runs right after its
-verify and which, timed back to back, finds its arrays in caches a verify empties.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from functools import partial
 
 import mlx.core as mx
@@ -37,15 +32,13 @@ import mlx.core as mx
 from mac_moesd.inputs import models
 from mac_moesd.measure.caches.rolled_cache import RolledBackCache, batch_caches
 from mac_moesd.measure.clock import timing
-from mac_moesd.measure.decoding.bookkeeping import bookkeeping_point
-from mac_moesd.measure.decoding.sd_loop import sample
 from mac_moesd.measure.decoding.sampling import random_ids
 from mac_moesd.measure.forward.points import forward_point
 from mac_moesd.progress import Progress
 from mac_moesd.results import point_key
 from mac_moesd.results.keys import chain_points
 
-__all__ = ["chain_gammas", "chain_point", "chain_rows", "empty_round_seconds", "measure_chains", "missing"]
+__all__ = ["chain_gammas", "chain_point", "chain_rows", "measure_chains", "missing"]
 
 
 def chain_gammas(gamma: int) -> tuple[int, ...]:
@@ -95,53 +88,25 @@ def missing(record: dict, batches: tuple[int, ...], gamma: int) -> list[tuple[in
 
 
 def measure_chains(target: models.Built, draft: models.Built, todo: list[tuple[int, int]], context: int,
-                   record: dict, budget: timing.Budget, save, progress: Progress, rng: random.Random,
-                   empty_rounds: dict | None = None, empty_todo: tuple[int, ...] = (), gamma: int = 0) -> None:
-    """Time the (batch, gamma) chains ``todo`` into ``record["points"]``, and with ``empty_rounds``
-    the SD loop's empty round at the batches ``empty_todo`` (``bookkeeping``: greedy token choice
-    over gamma + 1 positions), each after the same untimed verify, into ``empty_rounds`` by
-    ``point_key(batch, gamma + 1)``; on one prefill of each model at the largest batch (copies of
-    its rows for the smaller ones), saving each. A batch's progress step is counted when its last
-    chain is done."""
+                   record: dict, budget: timing.Budget, save, progress: Progress, rng: random.Random) -> None:
+    """Time the (batch, gamma) chains ``todo`` into ``record["points"]``, on one prefill of each
+    model at the largest batch (copies of its rows for the smaller ones), saving each; a batch's
+    progress step is counted when its last chain is done."""
     vocab = min(target.config["vocab_size"], draft.config["vocab_size"])  # ids both models embed
-    wanted = {b for b, _ in todo} | set(empty_todo)
+    wanted = {b for b, _ in todo}
     big = max(wanted)
     target_caches = batch_caches(RolledBackCache(target.model, big, context, vocab), wanted)
     draft_caches = batch_caches(RolledBackCache(draft.model, big, context, vocab), wanted)
-    points = {("chain", b, g): chain_point(target.model, target_caches[b], draft.model, draft_caches[b], b, g, vocab)
+    points = {(b, g): chain_point(target.model, target_caches[b], draft.model, draft_caches[b], b, g, vocab)
               for b, g in todo}
-    logits = target.config["vocab_size"]
-    for b in empty_todo:
-        verify = forward_point(target.model, target_caches[b], b, gamma + 1, vocab)
-        points[("empty round", b, gamma)] = replace(
-            bookkeeping_point(b, gamma, logits, "real", _greedy, before=partial(timing.run_untimed, verify)),
-            seconds=empty_round_seconds(budget))
     left = {b: sum(1 for x, _ in todo if x == b) for b in wanted}
 
     def done(key, m):
-        kind, b, g = key
-        if kind == "empty round":
-            assert empty_rounds is not None  # its points are timed only with a record to fill
-            empty_rounds[point_key(b, g + 1)] = m
-            save()
-            return
+        b, g = key
         record["points"][point_key(b, g)] = m
         save()
         left[b] -= 1
         if not left[b]:
             progress.advance(f"{draft.source.name} chain after the target B={b}")
 
-    timing.measure(points, budget, rng, on_done=done, group=lambda key: key[1])
-
-
-def empty_round_seconds(budget: timing.Budget) -> float:
-    """An empty round's time budget: a quarter of a point's. Each sample pays an untimed verify
-    for well under a millisecond timed, a term of 1-2% of a round (docs/design.md §3.4); a
-    whole point's seconds of verifies would add 2.4 s to a quick run on an M2 by the dry run's
-    estimate, where a quarter adds 0.7 s."""
-    return budget.seconds_per_point / 4
-
-
-def _greedy(logits: mx.array) -> mx.array:
-    """The token the loop chooses at each position at temperature 0."""
-    return sample(logits, 0.0)
+    timing.measure(points, budget, rng, on_done=done, group=lambda key: key[0])

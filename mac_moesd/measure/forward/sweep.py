@@ -395,9 +395,6 @@ def run_sweep(
         document["draft"] = {**measure_draft(cfg, sources.draft, store, available_bytes, progress, rng),
                              **chains_document(entries, sources.draft.name)}
     document["reject"] = measure_reject(cfg, source, store, progress, rng, available_bytes)
-    after_verify = keys.bookkeeping_after_verify(entries)
-    if after_verify:
-        document["reject"][keys.BOOKKEEPING_AFTER_VERIFY] = points_list(after_verify)
     return document
 
 
@@ -440,21 +437,17 @@ def draft_config(cfg: SweepConfig) -> SweepConfig:
 def measure_chains_with(target: models.Built, entry: dict, cfg: SweepConfig, source: models.ModelSource,
                         store: ResultsStore, available_bytes: int | None, progress: Progress,
                         rng: random.Random, why_not: str | None = None) -> None:
-    """The drafter's chains after the target's verify (``draft_chain``), and the SD loop's empty
-    round after the same verify, timed while the target (whole, or the larger slice of a target
-    too big for memory) is still built, into its sweep ``entry`` (the chains by drafter); skipped,
-    and why said there, where the caller says so (``why_not``: a sharded target, whose ranks
-    would have to agree on the memory check) or the two models would not fit together. What an
-    earlier run timed stays."""
+    """The drafter's chains after the target's verify (``draft_chain``), timed while the target
+    (whole, or the larger slice of a target too big for memory) is still built, into its sweep
+    ``entry`` by drafter; skipped, and why said there, where the caller says so (``why_not``: a
+    sharded target, whose ranks would have to agree on the memory check) or the two models
+    would not fit together. Chains kept from an earlier run stay."""
     record = keys.chains_of(entry, source.name)
     todo = draft_chain.missing(record, cfg.batches, cfg.gamma)
-    empty_rounds = entry.setdefault(keys.BOOKKEEPING_AFTER_VERIFY, {})
-    empty_todo = tuple(b for b in cfg.batches if point_key(b, cfg.gamma + 1) not in empty_rounds)
     for b in sorted(set(cfg.batches) - {b for b, _ in todo}):
         progress.advance(f"{source.name} chain after the target B={b} (kept)")
     if not todo:
         record.pop("skipped", None)  # an earlier run's reason, for chains this run did not need
-    if not todo and not empty_todo:
         return
     draft_cfg = draft_config(cfg)
     built = models.build(source, draft_cfg.dtype, draft_cfg.bits, seed=cfg.seed)
@@ -463,16 +456,14 @@ def measure_chains_with(target: models.Built, entry: dict, cfg: SweepConfig, sou
         why_not = (f"the target and {source.name} together need about {human_bytes(need)}, "
                    f"{human_bytes(available_bytes)} is usable")
     if why_not:
-        if todo:
-            record["skipped"] = why_not
+        record["skipped"] = why_not
         for b in sorted({b for b, _ in todo}):
             progress.advance(f"{source.name} chain after the target B={b} (skipped: {why_not})")
         store.save()
         return
     record.pop("skipped", None)
     built.materialise()
-    draft_chain.measure_chains(target, built, todo, cfg.context, record, cfg.budget, store.save, progress, rng,
-                               empty_rounds, empty_todo, cfg.gamma)
+    draft_chain.measure_chains(target, built, todo, cfg.context, record, cfg.budget, store.save, progress, rng)
     store.save()
     del built
 
