@@ -104,6 +104,16 @@ def test_resolve_names_a_cached_model_by_its_repo_id(tmp_path, monkeypatch):
         models.resolve("org/absent")
 
 
+def test_a_snapshot_folder_given_by_its_path_is_named_by_its_repo_id(tmp_path, monkeypatch):
+    # Its own name is a revision hash; named by its path or by its repo id, it is one model.
+    snap = snapshot(tmp_path / "anywhere", "org/moe")
+    assert models.resolve(str(snap)).name == "org/moe"
+    assert models.resolve(str(snap / "config.json")).name == "org/moe"
+    monkeypatch.chdir(snap)
+    assert models.resolve(".").name == "org/moe"
+    assert hfcache.repo_id_of(tmp_path / "org-moe") is None  # an ordinary folder keeps its name
+
+
 def test_the_first_cached_pair_that_fits_is_chosen(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     known = (pairs.KnownPair("big/moe", "big/draft", ""), pairs.KnownPair("mid/moe", "mid/draft", ""),

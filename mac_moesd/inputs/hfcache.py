@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["cache_root", "cached_model"]
+__all__ = ["cache_root", "cached_model", "repo_id_of"]
 
 
 def _named(variable: str) -> Path | None:
@@ -47,6 +47,16 @@ def _complete(snapshot: Path, need_weights: bool) -> bool:
             return False
         return bool(shards) and all((snapshot / s).is_file() for s in shards)
     return any(snapshot.glob("model*.safetensors"))
+
+
+def repo_id_of(snapshot: Path) -> str | None:
+    """``org/name`` of a folder laid out as a cache's snapshot (``.../models--org--name/snapshots/
+    <revision>``, wherever the cache is), else None: such a folder's own name is a revision hash."""
+    snapshot = Path(os.path.abspath(snapshot))
+    repo = snapshot.parent.parent.name
+    if snapshot.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/")
 
 
 def cached_model(repo_id: str, root: Path | None = None, need_weights: bool = True) -> Path | None:

@@ -1,7 +1,9 @@
 """Turn a MODEL argument into an mlx-lm model: random weights from a config, or a local checkpoint.
 
 MODEL is a zoo name, a directory with config.json, a config.json path, or a Hugging Face repo id
-already in the local cache (never downloaded). Every path ends in mlx-lm's own ``Model`` class;
+already in the local cache (never downloaded). Its name, which results keys use, is the zoo
+name, the folder's own name however the path spelled it, or the repo id (also for a cache
+snapshot given by its path, whose own name is a revision hash). Every path ends in mlx-lm's own ``Model`` class;
 we only choose the config, the dtype, the quantization and the layer slice.
 
 Random weights are what a config alone asks for: a zoo name, a config.json, or a folder that holds
@@ -105,8 +107,9 @@ def resolve(model: str) -> ModelSource:
 
 def _named(folder: Path) -> str:
     """A folder's own name, also where it was given as ``.`` or ``..`` (symlinks kept: the
-    name the user gave, not its target's)."""
-    return Path(os.path.abspath(folder)).name
+    name the user gave, not its target's); a Hugging Face cache snapshot's repo id, as the same
+    model named by its repo id is called."""
+    return hfcache.repo_id_of(folder) or Path(os.path.abspath(folder)).name
 
 
 def _listed(names: list[str]) -> str:
