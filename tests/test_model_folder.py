@@ -125,3 +125,26 @@ def test_a_pre_quantized_float16_checkpoint_is_labelled_float16(tmp_path):
     folder, _ = saved(tmp_path / "q", dtype="float16", bits=8)
     built = models.build(models.resolve(str(folder)))
     assert (built.bits, built.dtype) == (8, "float16")
+
+
+def test_a_models_identity_is_its_config_as_stored_and_whether_it_has_weights(config_dir):
+    import hashlib
+
+    from mac_moesd.errors import MacMoesdError
+    from mac_moesd.results import ResultsStore
+
+    # A multimodal checkpoint's text fields sit under text_config: the digest is of the file as
+    # written, not of the config the suite reads from it, so a change to that reading leaves it.
+    stored = {"model_type": "qwen3_5_moe", "text_config": {**tiny_config(), "model_type": "qwen3_5_moe_text"}}
+    folder = config_dir(stored, name="my-moe")
+    source = models.resolve(str(folder))
+    digest = hashlib.sha256(json.dumps(stored, sort_keys=True).encode()).hexdigest()[:16]
+    assert source.identity() == {"config_sha256": digest, "weights": "random"}
+    assert source.config != stored  # what the suite reads differs from what is stored
+    # Target and drafter of one name but different models: refused before the results are touched.
+    other = config_dir({**tiny_config(), "num_experts_per_tok": 1}, name="elsewhere")
+    twin = models.ModelSource("my-moe", models.resolve(str(other)).config)
+    store = ResultsStore(folder.parent / "out" / "results.json", {"chip_slug": "x", "backend": "cpu"})
+    with pytest.raises(MacMoesdError, match="target and the drafter are different models both named my-moe"):
+        models.Sources(source, twin).claim(store)
+    assert "models" not in store.data

@@ -167,3 +167,14 @@ def test_a_model_named_otherwise_than_its_results_is_routed_fitted_and_timed_und
     assert list(store.data["fits"]) == ["tiny-moe"]
     staged["spec TINY-MOE"].work(ctx)
     assert timed["target"] == "tiny-moe" and timed["plain_step"](1) > 0
+
+
+def test_a_run_whose_model_differs_from_the_one_its_name_claims_writes_nothing(tmp_path):
+    recorded = json.loads(RECORDED.read_text())
+    recorded["models"] = {"tiny-moe": {"config_sha256": "0000000000000000", "weights": "random"}}
+    (tmp_path / "results.json").write_text(json.dumps(recorded))
+    before = (tmp_path / "results.json").read_text()
+    store = ResultsStore(tmp_path / "results.json", recorded["meta"])
+    with pytest.raises(MacMoesdError, match="another model named tiny-moe"):
+        stages.run_all(tiny_plan(), store, Machine())
+    assert (tmp_path / "results.json").read_text() == before

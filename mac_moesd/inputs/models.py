@@ -55,6 +55,7 @@ class ModelSource:
     name: str
     config: dict
     weights_dir: Path | None = None
+    stored_config: dict | None = None  # the config as its file or zoo entry holds it, before ``zoo.normalise``
 
     @property
     def has_weights(self) -> bool:
@@ -62,8 +63,9 @@ class ModelSource:
 
     def identity(self) -> schema.ModelIdentity:
         """What tells two models of one name apart in a results file (``ResultsStore.claim``): a
-        digest of the config as read, and whether its weights are stored or random."""
-        config = json.dumps(self.config, sort_keys=True, default=str).encode()
+        digest of the config as stored (so that a change to how the suite reads configs leaves
+        the digests of earlier files alone), and whether its weights are stored or random."""
+        config = json.dumps(self.stored_config or self.config, sort_keys=True, default=str).encode()
         return {"config_sha256": hashlib.sha256(config).hexdigest()[:16],
                 "weights": "stored" if self.has_weights else "random"}
 
@@ -78,6 +80,10 @@ class Sources:
 
     def claim(self, store) -> None:
         """Both models' names claimed in the results ``store`` (``ResultsStore.claim``)."""
+        if (self.draft is not None and self.draft.name == self.target.name
+                and self.draft.identity() != self.target.identity()):
+            raise MacMoesdError(f"the target and the drafter are different models both named {self.target.name}: "
+                                "results name models by their folders, so rename one of the folders")
         for source in (self.target, self.draft):
             if source is not None:
                 store.claim(source.name, source.identity())
@@ -88,9 +94,9 @@ def resolve(model: str) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_dir():
         config = zoo.read_config(path / "config.json")
-        return ModelSource(_named(path), config, weights_folder(path))
+        return ModelSource(_named(path), config, weights_folder(path), _stored(path / "config.json"))
     if path.suffix == ".json" or path.exists():
-        return ModelSource(_named(path.parent) or path.stem, zoo.read_config(path))
+        return ModelSource(_named(path.parent) or path.stem, zoo.read_config(path), stored_config=_stored(path))
     if "/" in model:
         # A snapshot with all its weights first; a config-only one (random weights) otherwise.
         cached = hfcache.cached_model(model) or hfcache.cached_model(model, need_weights=False)
@@ -102,7 +108,12 @@ def resolve(model: str) -> ModelSource:
         # Named by its repo id: the snapshot folder's own name is a revision hash.
         return replace(resolve(str(cached)), name=model)
     entry = zoo.by_name(model)
-    return ModelSource(entry.name, zoo.normalise(entry.config))
+    return ModelSource(entry.name, zoo.normalise(entry.config), stored_config=entry.config)
+
+
+def _stored(config_file: Path) -> dict:
+    """A config.json as it is written (``zoo.read_config`` has checked it)."""
+    return json.loads(config_file.read_text())
 
 
 def _named(folder: Path) -> str:

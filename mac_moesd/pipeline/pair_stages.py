@@ -246,6 +246,8 @@ def run_pair(plans: PairPlan | list[PairPlan], store: ResultsStore, machine, pro
     plans = [plans] if isinstance(plans, PairPlan) else plans
     stages = pair_stages(plans, serving)  # refuses what cannot run before anything is recorded
     for plan in plans:
+        plan.sources.claim(store)  # another model of the same name is refused before any write
+    for plan in plans:
         record_pair(store, plan)
     ctx = Context(store, machine.backend, machine.spec, Outcome(), progress)
     return run_stages(stages, ctx, memory_limit_bytes)

@@ -270,9 +270,9 @@ def run_serving(cfg: ServingConfig, store: ResultsStore, backend: str,
                     # The server died during this leg or just after its window: its figures are not
                     # kept, so a resume measures the leg again.
                     doc["legs"].pop()
-                    raise
-                finally:
                     store.put("serving", key, doc)
+                    raise
+                store.put("serving", key, doc)
 
     with server_process.sigterm_as_interrupt():
         if cfg.urls:

@@ -139,5 +139,8 @@ def run_all(plan: Plan, store: ResultsStore, machine, progress: Progress = Progr
     """Measure every missing stage of ``plan`` into ``store`` (``runner.run_stages``); with
     ``serving``, a serving stage is listed and skipped with why (the default models have random
     weights)."""
+    stages = default_stages(plan, serving)
+    for source in resolve_plan(plan).values():  # another model of the same name: refused before any write
+        store.claim(source.name, source.identity())
     ctx = Context(store, machine.backend, machine.spec, Outcome(), progress)
-    return run_stages(default_stages(plan, serving), ctx, memory_limit_bytes)
+    return run_stages(stages, ctx, memory_limit_bytes)

@@ -230,7 +230,7 @@ class ResultsStore:
         else:
             return
         raise MacMoesdError(f"{self.path} holds results of another model named {name} ({why}); they were "
-                            "left untouched: write to another folder with --out, or rename the model's folder")
+                            "left untouched: write to another folder with --out (or rename the model's folder)")
 
     def section(self, name: str) -> dict:
         return self.data.setdefault(name, {})
