@@ -339,3 +339,15 @@ def test_the_fits_drafter_start_is_worded_with_its_share_of_a_batch_one_round():
     assert "T_start(B, gamma) = 0.200 ms + 0.1000 ms x B + 0.050 ms x (gamma - 1)" in line
     assert "12 of them" in line and line.endswith(": 22% of a batch-1 round at gamma 4, alpha 0.7")
     assert report._draft_start_lines({**doc, "draft_start": {"points": 0}}) == []
+
+
+def test_runs_of_one_drafter_are_not_priced_by_a_fit_made_with_another():
+    # `run --target T --draft D1`, then `--draft D2` into the same folder: the fit of T now has
+    # D2's step, so D1's runs get no prediction rather than one priced with the wrong drafter.
+    from mac_moesd.analysis.digest import Digest
+
+    d = Digest({"fits": {"T": {"model": "T", "chosen": "mlx", "draft_model": "D2"}}})
+    assert d.fit_of("T", "D1") is None
+    assert d.fit_of("T", "D2") is not None and d.fit_of("T") is not None
+    assert d.fit_of("T", "prompt-lookup") is not None  # no drafter model: its step is not the fit's
+    assert d.fit_of("T", "T") is not None  # self-draft prices the target as its own drafter

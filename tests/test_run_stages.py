@@ -1,6 +1,7 @@
 """`run`: a failing stage is skipped with its reason, the others still run, the report is written,
 and the exit status says how complete the run was."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -151,7 +152,7 @@ def test_a_model_named_otherwise_than_its_results_is_routed_fitted_and_timed_und
     recorded.pop("fits"), recorded.pop("spec")
     (tmp_path / "results.json").write_text(json.dumps(recorded))
     store = ResultsStore(tmp_path / "results.json", recorded["meta"])
-    plan = plans.with_models(tiny_plan(), ("TINY-MOE", "tiny-dense"))
+    plan = dataclasses.replace(plans.with_models(tiny_plan(), ("TINY-MOE", "tiny-dense")), context=64)  # as recorded
     staged = {s.label: s for s in stages.default_stages(plan)}
     assert staged["routing TINY-MOE"].done(store.data)
 
@@ -178,3 +179,26 @@ def test_a_run_whose_model_differs_from_the_one_its_name_claims_writes_nothing(t
     with pytest.raises(MacMoesdError, match="another model named tiny-moe"):
         stages.run_all(tiny_plan(), store, Machine())
     assert (tmp_path / "results.json").read_text() == before
+
+
+def test_the_runs_fit_takes_its_own_sweep_and_drafter_not_the_first_stored(tmp_path):
+    # An earlier run into the same folder swept the target at another context and with another
+    # drafter, and its documents come first in the file: the fit of this run must not take them.
+    recorded = json.loads(RECORDED.read_text())
+    recorded.pop("fits"), recorded.pop("spec")
+    (key, entry), = [(k, e) for k, e in recorded["sweeps"].items() if e["model"] == "tiny-moe"]
+    other_context = {**entry, "context": 512}
+    (draft_key, draft), = recorded["draft"].items()
+    other_draft = {**draft, "model": "other-draft"}
+    recorded["sweeps"] = {key.replace("L64", "L512"): other_context, **recorded["sweeps"]}
+    recorded["draft"] = {draft_key.replace("tiny-draft", "other-draft"): other_draft, **recorded["draft"]}
+    (tmp_path / "results.json").write_text(json.dumps(recorded))
+    store = ResultsStore(tmp_path / "results.json", recorded["meta"])
+    plan = plans.with_models(tiny_plan(), ("tiny-moe",))
+    plan = dataclasses.replace(plan, context=64)
+    stages.fit_targets(plan, plans.resolve_plan(plan), store, Outcome())
+    fitted = store.data["fits"]["tiny-moe"]
+    assert fitted["context"] == 64 and fitted["draft_model"] == "tiny-draft"
+    with pytest.raises(MacMoesdError, match=r"no MoE sweep of tiny-moe at context 128 in the results \(they hold "
+                                            r"tiny-moe at context 512, tiny-moe at context 64\)"):
+        stages.fit_targets(dataclasses.replace(plan, context=128), plans.resolve_plan(plan), store, Outcome())

@@ -100,3 +100,12 @@ def test_a_target_served_without_a_drafter_gets_plain_lines_and_says_why_no_sd_l
     assert why is None and [r["concurrency"] for r in rows] == [1, 4]
     assert all(r["plain_tok_s"] > 0 and r["sd_batched_tok_s"] is None for r in rows)
     assert all(r["why"] == "no DRAFT named, so no acceptance pass to look up" for r in rows)
+
+
+def test_a_fit_made_with_another_drafters_step_predicts_no_serving_line():
+    from mac_moesd.pipeline import serving_stage
+
+    doc = {"target_name": "T", "draft_name": "D1", "prompts": ["code"], "legs": [], "gamma": 4}
+    data = {"fits": {"T": {"model": "T", "chosen": "mlx", "draft_model": "D2"}}}
+    rows, why = serving_stage.predictions(doc, data, "results.json")
+    assert rows == [] and "made with D2's step, not D1's" in why

@@ -12,6 +12,7 @@ from functools import cached_property
 from mac_moesd.analysis import theory
 from mac_moesd.analysis.depth import full_depth_points
 from mac_moesd.results import pair_spec_key, parse_point_key
+from mac_moesd.results.keys import drafter_kind
 
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
@@ -212,8 +213,15 @@ class Digest:
         """Models whose stored fit predates the variant fit: `mac-moesd fit` redoes them."""
         return [f["model"] for f in self.data.get("fits", {}).values() if "chosen" not in f]
 
-    def fit_of(self, model: str) -> dict | None:
-        return next((f for f in self.fits if f["model"] == model), None)
+    def fit_of(self, model: str, draft: str | None = None) -> dict | None:
+        """The fit of ``model``; with ``draft`` (the drafter of the runs it is to price), only one
+        made with that drafter's step where the drafter is another model: a fit stored by a later
+        run with another drafter would price these rounds with the wrong drafter."""
+        fitted = next((f for f in self.fits if f["model"] == model), None)
+        if (fitted is not None and draft is not None and draft != model and drafter_kind(draft) == "model"
+                and fitted.get("draft_model") not in (None, draft)):
+            return None
+        return fitted
 
     @property
     def spec(self) -> list[dict]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from mac_moesd.analysis import fit, theory
+from mac_moesd.analysis.digest import Digest
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
 from mac_moesd.machine import blas, hardware, memory, metadata
@@ -180,13 +181,19 @@ def fit_results(results: Path, model: str | None, alphas: tuple[float, ...] | No
             WriterLock.release(lock)
 
 
-def stored_predictor(store: ResultsStore, target: str, name: str, warn: Warn, drafter_kind: str = "model"):
+def stored_predictor(store: ResultsStore, target: str, name: str, warn: Warn, drafter_kind: str = "model",
+                     draft: str | None = None):
     """The speedup predictor of the fit of the model ``name`` (``target`` as the user wrote it) in
-    ``store`` for a drafter of that kind (``fit.predictor_for``); None, with a warning saying what
-    to run, when there is none or it cannot predict."""
+    ``store`` for a drafter of that kind (``fit.predictor_for``) and, for a drafter model, that
+    drafter (``draft``, resolved); None, with a warning saying what to run, when there is none,
+    it was made with another drafter's step, or it cannot predict."""
     fitted = store.data.get("fits", {}).get(name)
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
+        return None
+    if Digest(store.data).fit_of(name, draft) is None:
+        warn(f"the fit of {target} in {store.path} was made with {fitted['draft_model']}'s step, not {draft}'s, "
+             f"so it cannot price these runs (`mac-moesd run --target {target} --draft {draft}` fits with it)")
         return None
     predictor = fit.predictor_for(fitted, drafter_kind)
     if predictor is None:
@@ -201,7 +208,8 @@ def run_spec(cfg: speedup.SpecConfig, memory_limit_gib: float | None, out: Path 
     machine, meta, store = open_store(out, warn)
     sources = speedup.resolve_sources(cfg)
     name = sources.target.name
-    predictor = stored_predictor(store, cfg.target, name, warn, cfg.drafter_kind)
+    draft = sources.draft.name if sources.draft is not None else None
+    predictor = stored_predictor(store, cfg.target, name, warn, cfg.drafter_kind, draft)
     with hardware.measuring_stage():
         document = speedup.run_spec(cfg, predictor, usable.usable_bytes, fit.sweep_plain_step(store.data, name), sources,
                                     store)

@@ -179,7 +179,8 @@ def _sweep(plan: PairPlan, drafters: tuple[str, ...] = ()) -> Stage:
 
 def fit_target(plan: PairPlan, store: ResultsStore) -> None:
     """The fit of the target's sweep with the run's drafter model's step (none: prompt lookup alone)."""
-    inputs = fit.inputs_from_results(as_swept(store.data, plan), plan.target, draft_model=plan.draft_model)
+    inputs = fit.inputs_from_results(as_swept(store.data, plan), plan.target, draft_model=plan.draft_model,
+                                     context=plan.base.context)
     fit.store_fit(store.data, plan.target, fit.fit_document(fit.fit(inputs)))
     store.save()
 
@@ -196,7 +197,7 @@ def _spec(plan: PairPlan, prompt_set: str) -> Stage:
         if fitted is None:
             raise MacMoesdError(f"no fit of {plan.target}, so no predictions to set beside measured SD")
         speedup.require_valid(speedup.run_spec(plan.spec_config(prompt_set), fit.predictor_for(fitted, kind),
-                                               ctx.usable_bytes, fit.sweep_plain_step(as_swept(data, plan), plan.target),
+                                               ctx.usable_bytes, fit.sweep_plain_step(as_swept(data, plan), plan.target, plan.base.context),
                                                plan.spec_sources, ctx.store))
 
     label = f"spec {plan.target} on {prompt_set}" + {"prompt-lookup": " by prompt lookup",

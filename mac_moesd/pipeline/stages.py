@@ -77,11 +77,14 @@ def fit_targets(plan: Plan, resolved: Resolved, store: ResultsStore, outcome: Ou
     """Fit every MoE target whose sweep ran, under the name its sweep is stored by (a folder's
     or a zoo model's own name, not the argument that named it); an error when none did."""
     fitted = []
+    draft_model = resolved[plan.draft].name if plan.draft else None
     for name in plan.moe:
         if f"sweep {name}" in outcome.skipped:
             continue
         model = resolved[name].name
-        fit.store_fit(store.data, model, fit.fit_document(fit.fit(fit.inputs_from_results(store.data, model))))
+        # This run's sweep and drafter, not whichever an earlier run into the same folder stored first.
+        inputs = fit.inputs_from_results(store.data, model, draft_model=draft_model, context=plan.context)
+        fit.store_fit(store.data, model, fit.fit_document(fit.fit(inputs)))
         fitted.append(model)
     store.save()
     if not fitted:
@@ -111,7 +114,7 @@ def _spec(plan: Plan, resolved: Resolved) -> Stage:
                               budget_s=plan.spec_budget_s, bits=plan.bits, rollback=plan.rollback,
                               stop_when_decided=plan.spec_stop_when_decided)
         speedup.require_valid(speedup.run_spec(cfg, fit.speedup_predictor(data["fits"][fitted]), ctx.usable_bytes,
-                                               fit.sweep_plain_step(data, fitted), sources, ctx.store))
+                                               fit.sweep_plain_step(data, fitted, plan.context), sources, ctx.store))
 
     return Stage(f"spec {target}", work, done=done,
                  estimate=lambda sizing: estimate.spec_stage(plan, sizing, sources), models=(target, draft))

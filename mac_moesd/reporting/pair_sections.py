@@ -279,7 +279,7 @@ def _verdict(d: Digest, p: dict, docs: dict[str, dict]) -> list[Block]:
     if p.get("drafter_kind") == "mtp-head":
         return _imposed_verdict(p, docs)
     blocks: list[Block] = [("h3", "Verdict for this pair")]
-    fitted = d.fit_of(p["target"])
+    fitted = d.fit_of(p["target"], p["draft"])
     if fitted is None or not fitted.get("drafted") or not docs:
         missing = "the fit of the target with the drafter's step" if fitted is None or not fitted.get(
             "drafted") else "measured SD on the prompt sets"
@@ -375,7 +375,7 @@ def _acceptance(docs: dict[str, dict], figures: dict[str, Path]) -> list[Block]:
 
 
 def _speedups(d: Digest, p: dict, docs: dict[str, dict], figures: dict[str, Path]) -> list[Block]:
-    fitted = d.fit_of(p["target"])
+    fitted = d.fit_of(p["target"], p["draft"])
     rows, predictions = [], []
     for prompt_set, doc in docs.items():
         for r in doc["runs"]:

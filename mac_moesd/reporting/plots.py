@@ -242,7 +242,7 @@ def measured_vs_predicted(d: Digest, folder: Path) -> Path | None:
 
     points = []
     for p in d.pairs:
-        fitted = d.fit_of(p["target"])
+        fitted = d.fit_of(p["target"], p["draft"])
         if fitted is None or speedup_predictor(fitted) is None:
             continue
         for prompt_set, doc in d.pair_spec(p).items():

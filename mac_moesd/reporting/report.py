@@ -469,7 +469,7 @@ def _spec(d: Digest) -> list[Block]:
         return []
     blocks: list[Block] = [("h2", "Measured speculative decoding")]
     for s in docs:
-        fitted = d.fit_of(s["target"])
+        fitted = d.fit_of(s["target"], s["draft"])
         rows, predictions = [], []
         for r in s["runs"]:
             pred = fit_module.model_prediction(fitted, r, s)

@@ -201,10 +201,11 @@ def _recomputed(predictor, run: dict, doc: dict) -> float | None:
                      catch_up=feeds_last_draft(run))
 
 
-def sweep_plain_step(data: dict, model: str):
+def sweep_plain_step(data: dict, model: str, context: int | None = None):
     """A function batch -> the sweep's pipelined T_T(B,1) of ``model`` at full depth (seconds),
-    or None where the sweep did not time it; None when the results hold no sweep of ``model``."""
-    views = [m for m in Digest(data).models if m.name == model]
+    or None where the sweep did not time it; None when the results hold no sweep of ``model``
+    (at ``context`` when named)."""
+    views = [m for m in Digest(data).models if m.name == model and context in (None, m.full["context"])]
     if not views:
         return None
     points, _ = full_depth_points(views[0].entries, "pipelined_points")

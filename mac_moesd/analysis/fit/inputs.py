@@ -98,11 +98,13 @@ def _as_pairs(points: dict) -> list[tuple[int, int, float]]:
 
 
 def inputs_from_results(data: dict, model: str | None = None, verify: str = DEFAULT_VERIFY,
-                        draft_model: str | None = None) -> FitInputs:
+                        draft_model: str | None = None, context: int | None = None) -> FitInputs:
     """Everything the fit needs from one results file; what is missing is named, not fatal,
     unless the target sweep itself is. The drafter step is ``draft_model``'s when named, else
-    the first measured at the target's context (a file may hold several runs' drafters)."""
-    view = _target_view(data, model)
+    the first measured at the target's context (a file may hold several runs' drafters); the
+    sweep is the one at ``context`` when named (a quick run's and a full run's differ), else the
+    first stored."""
+    view = _target_view(data, model, context)
     full, footprint = view.full, view.footprint
     points, extrapolated = full_depth_points(view.entries)
     target = _as_pairs(points)
@@ -171,14 +173,18 @@ def _re_forwards(kinds: dict) -> bool:
     return kinds.get("linear", 0) > kinds.get("per_position", 0)
 
 
-def _target_view(data: dict, model: str | None):
-    """The digest's view of the first MoE sweep (of ``model`` when named); refuses without one."""
+def _target_view(data: dict, model: str | None, context: int | None = None):
+    """The digest's view of the first MoE sweep (of ``model`` at ``context`` when named);
+    refuses without one."""
     moe = [m for m in Digest(data).models if m.experts]
-    views = [m for m in moe if model is None or m.name == model]
+    views = [m for m in moe if (model is None or m.name == model) and context in (None, m.full["context"])]
     if not views:
-        which = f" of {model}" if model else ""
-        held = f" (they hold {', '.join(sorted({m.name for m in moe}))})" if moe else ""
-        raise MacMoesdError(f"no MoE sweep{which} in the results{held}: run `mac-moesd sweep MODEL` first")
+        which = (f" of {model}" if model else "") + (f" at context {context}" if context is not None else "")
+        named = [m for m in moe if model is None or m.name == model]
+        held = (sorted({f"{m.name} at context {m.full['context']}" for m in named}) if named
+                else sorted({m.name for m in moe}))
+        listed = f" (they hold {', '.join(held)})" if held else ""
+        raise MacMoesdError(f"no MoE sweep{which} in the results{listed}: run `mac-moesd sweep MODEL` first")
     return views[0]
 
 
