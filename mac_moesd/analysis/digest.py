@@ -14,6 +14,15 @@ from mac_moesd.analysis.depth import full_depth_points
 from mac_moesd.results import pair_spec_key, parse_point_key
 from mac_moesd.results.keys import drafter_kind
 
+
+def prices_drafter(fitted: dict, draft: str | None) -> bool:
+    """Whether the fit ``fitted`` may price runs drafted by ``draft`` (None: any): a drafter model
+    other than its target must be the one whose step it was made with, since a fit stored by a
+    later run with another drafter would price these rounds with the wrong drafter."""
+    return (draft is None or draft == fitted.get("model") or drafter_kind(draft) != "model"
+            or fitted.get("draft_model") in (None, draft))
+
+
 VERIFY_WINDOW = 4  # tokens in "the verify window" of figures and text: gamma = 3 drafts plus one
 
 
@@ -215,13 +224,9 @@ class Digest:
 
     def fit_of(self, model: str, draft: str | None = None) -> dict | None:
         """The fit of ``model``; with ``draft`` (the drafter of the runs it is to price), only one
-        made with that drafter's step where the drafter is another model: a fit stored by a later
-        run with another drafter would price these rounds with the wrong drafter."""
+        that prices that drafter's runs (``prices_drafter``)."""
         fitted = next((f for f in self.fits if f["model"] == model), None)
-        if (fitted is not None and draft is not None and draft != model and drafter_kind(draft) == "model"
-                and fitted.get("draft_model") not in (None, draft)):
-            return None
-        return fitted
+        return fitted if fitted is not None and prices_drafter(fitted, draft) else None
 
     @property
     def spec(self) -> list[dict]:

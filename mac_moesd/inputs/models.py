@@ -69,6 +69,10 @@ class ModelSource:
         return {"config_sha256": hashlib.sha256(config).hexdigest()[:16],
                 "weights": "stored" if self.has_weights else "random"}
 
+    def claim(self, store) -> None:
+        """This model's name claimed in the results ``store`` (``ResultsStore.claim``)."""
+        store.claim(self.name, self.identity())
+
 
 @dataclass(frozen=True)
 class Sources:
@@ -86,17 +90,18 @@ class Sources:
                                 "results name models by their folders, so rename one of the folders")
         for source in (self.target, self.draft):
             if source is not None:
-                store.claim(source.name, source.identity())
+                source.claim(store)
 
 
 def resolve(model: str) -> ModelSource:
     """A MODEL argument as a ModelSource (see the module docstring for the accepted forms)."""
     path = Path(model).expanduser()
     if path.is_dir():
-        config = zoo.read_config(path / "config.json")
-        return ModelSource(_named(path), config, weights_folder(path), _stored(path / "config.json"))
+        stored, config = zoo.read_config(path / "config.json")
+        return ModelSource(_named(path), config, weights_folder(path), stored)
     if path.suffix == ".json" or path.exists():
-        return ModelSource(_named(path.parent) or path.stem, zoo.read_config(path), stored_config=_stored(path))
+        stored, config = zoo.read_config(path)
+        return ModelSource(_named(path.parent) or path.stem, config, stored_config=stored)
     if "/" in model:
         # A snapshot with all its weights first; a config-only one (random weights) otherwise.
         cached = hfcache.cached_model(model) or hfcache.cached_model(model, need_weights=False)
@@ -109,11 +114,6 @@ def resolve(model: str) -> ModelSource:
         return replace(resolve(str(cached)), name=model)
     entry = zoo.by_name(model)
     return ModelSource(entry.name, zoo.normalise(entry.config), stored_config=entry.config)
-
-
-def _stored(config_file: Path) -> dict:
-    """A config.json as it is written (``zoo.read_config`` has checked it)."""
-    return json.loads(config_file.read_text())
 
 
 def _named(folder: Path) -> str:

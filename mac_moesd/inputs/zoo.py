@@ -442,17 +442,18 @@ def _shrink(small: dict, layers: int, experts: int, top_k: int) -> None:
 REQUIRED_KEYS = ("num_hidden_layers", "vocab_size", "hidden_size")
 
 
-def read_config(path: Path) -> dict:
-    """A config.json as a dict, with a clear error when it is missing or not a model config."""
+def read_config(path: Path) -> tuple[dict, dict]:
+    """A config.json as written and as the suite reads it (``normalise``), with a clear error
+    when it is missing or not a model config."""
     try:
-        config = json.loads(path.read_text())
+        stored = json.loads(path.read_text())
     except FileNotFoundError:
         raise MacMoesdError(f"config file not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise MacMoesdError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(config, dict) or "model_type" not in config:
+    if not isinstance(stored, dict) or "model_type" not in stored:
         raise MacMoesdError(f"{path} has no 'model_type': not a model config.json")
-    config = normalise(config)
+    config = normalise(stored)
     missing = [k for k in REQUIRED_KEYS if k not in config]
     if missing:
         raise MacMoesdError(f"{path} lacks {', '.join(map(repr, missing))}")
@@ -462,4 +463,4 @@ def read_config(path: Path) -> dict:
     shape = expert_shape(config)
     if shape is not None and shape[1] > shape[0]:
         raise MacMoesdError(f"{path}: each token is routed to {shape[1]} experts but the model has only {shape[0]}")
-    return config
+    return stored, config

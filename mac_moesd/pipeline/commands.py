@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from mac_moesd.analysis import fit, theory
-from mac_moesd.analysis.digest import Digest
+from mac_moesd.analysis.digest import prices_drafter
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs import models
 from mac_moesd.machine import blas, hardware, memory, metadata
@@ -191,7 +191,7 @@ def stored_predictor(store: ResultsStore, target: str, name: str, warn: Warn, dr
     if fitted is None:
         warn(f"no fit of {target} in {store.path}: run `mac-moesd fit` for predicted speedups")
         return None
-    if Digest(store.data).fit_of(name, draft) is None:
+    if not prices_drafter(fitted, draft):
         warn(f"the fit of {target} in {store.path} was made with {fitted['draft_model']}'s step, not {draft}'s, "
              f"so it cannot price these runs (`mac-moesd run --target {target} --draft {draft}` fits with it)")
         return None

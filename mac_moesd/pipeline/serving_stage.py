@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 import httpx
 
 from mac_moesd.analysis import serving_prediction as prediction
-from mac_moesd.analysis.digest import Digest
+from mac_moesd.analysis.digest import prices_drafter
 from mac_moesd.errors import BadInput, MacMoesdError
 from mac_moesd.inputs.prompts import load_prompts, load_tokenizer
 from mac_moesd.measure.server import sd_counters, server_process, serving
@@ -148,7 +148,7 @@ def predictions(doc: dict, data: dict, source: str) -> tuple[list[dict], str | N
         return [], (f"no fit of {target} in {source}: run `mac-moesd run --target ... --draft ...` (or sweep "
                     "--draft and fit) into the same --out, or give --fit" if target else
                     "no TARGET named, so no fit to predict with")
-    if draft and Digest(data).fit_of(target, draft) is None:
+    if not prices_drafter(fit_doc, draft):
         return [], (f"the fit of {target} in {source} was made with {fit_doc['draft_model']}'s step, not {draft}'s: "
                     f"run `mac-moesd run --target {target} --draft {draft}` into the same --out, or give --fit")
     rows = []

@@ -144,6 +144,6 @@ def run_all(plan: Plan, store: ResultsStore, machine, progress: Progress = Progr
     weights)."""
     stages = default_stages(plan, serving)
     for source in resolve_plan(plan).values():  # another model of the same name: refused before any write
-        store.claim(source.name, source.identity())
+        source.claim(store)
     ctx = Context(store, machine.backend, machine.spec, Outcome(), progress)
     return run_stages(stages, ctx, memory_limit_bytes)

@@ -261,7 +261,7 @@ def run_routing(cfg: RoutingConfig, available_bytes: int | None, store: ResultsS
         raise BadInput("--text and --prompts exclude each other")
     source = source or models.resolve(cfg.model)
     if store is not None:
-        store.claim(source.name, source.identity())
+        source.claim(store)
     shape = zoo_shape(source.config)
     if cfg.prompts is None:
         text, where = load_text(cfg.text)
